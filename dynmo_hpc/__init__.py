@@ -1,0 +1,18 @@
+"""dynmo_hpc: dynamic load balancing and elastic packing for pipeline-parallel training (DynMo).
+
+Entry points: the ``dynmo-hpc`` CLI (``run``, ``plan``, ``report``, ``sbatch``, ``submit``) and,
+from Python, :func:`dynmo_hpc.submit` for SLURM submission through submitit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def submit(config_or_path: Any, **slurm_options: Any) -> Any:
+    """Submit a job to SLURM with submitit; see :func:`dynmo_hpc.slurm.submit.submit`."""
+    from .slurm.submit import submit as _submit
+
+    return _submit(config_or_path, **slurm_options)

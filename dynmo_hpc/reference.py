@@ -1,0 +1,65 @@
+"""Single-process, non-pipelined training: the yardstick for pipeline correctness.
+
+Deliberately written as the plainest possible loop (all layers in one process, one autograd
+backward per microbatch, gradients accumulated over microbatches) and sharing only the model,
+data and optimizer helpers with the pipeline engine. The tests require the pipeline's per-step
+losses to match these, so any schedule or communication bug shows up as a number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import JobConfig
+from .data import TextDataset
+from .model import MicrobatchContext, build_layer
+from .optim import build_optimizer, clip_coefficient, lr_at, scale_grads_, set_lr, squared_grad_norm
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float]
+    """Mean LM cross-entropy per step (over microbatches)."""
+    state: dict[int, dict[str, torch.Tensor]]
+    """Final parameters by global layer index."""
+
+
+def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult:
+    torch.set_num_threads(cfg.runtime.threads_per_rank)
+    num_steps = cfg.train.steps if steps is None else steps
+    layers = [
+        build_layer(cfg.model, cfg.job.seed, i) for i in range(cfg.model.num_pipeline_layers)
+    ]
+    optimizers = [build_optimizer(layer, cfg.train) for layer in layers]
+    dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+    num_mb = cfg.train.num_microbatches
+    losses = []
+    for step in range(num_steps):
+        step_loss = 0.0
+        for mb in range(num_mb):
+            tokens, targets = dataset.batch(cfg.job.seed, step, mb, cfg.train.micro_batch_size)
+            ctx = MicrobatchContext(tokens=tokens, targets=targets)
+            x = None
+            for layer in layers:
+                x = layer(x, ctx)
+            assert ctx.loss is not None
+            objective = ctx.loss / num_mb
+            for aux in ctx.aux_losses:
+                objective = objective + aux / num_mb
+            objective.backward()
+            step_loss += float(ctx.loss.detach()) / num_mb
+        coeff = clip_coefficient([squared_grad_norm(m) for m in layers], cfg.train.grad_clip)
+        scale_grads_(layers, coeff)
+        lr = lr_at(step, cfg.train)
+        for opt in optimizers:
+            set_lr(opt, lr)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    state = {
+        i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
+        for i, layer in enumerate(layers)
+    }
+    return ReferenceResult(losses=losses, state=state)

@@ -1,0 +1,147 @@
+"""The run log's fixed layout: which datasets exist, their columns, dtypes, units and chunking.
+
+Why a fixed set of tables: HDF5's single-writer/multiple-reader (SWMR) mode forbids creating
+objects once it is switched on, so every dataset a run will ever append to is created up front.
+Why long ("tidy") tables: the number of stages, and even of layers, changes over a run (rebalance,
+pack, shrink), so per-stage and per-layer values are rows keyed by ``(step, stage)`` or
+``(step, layer)`` rather than columns. Each table is one 1-D resizable chunked dataset with a
+compound dtype, so a row is appended in one resize and a reader never sees half a row.
+
+Why JSON details live in a ``uint8`` blob: variable-length strings sit in HDF5's global heap, which
+is not SWMR-safe. A concurrent reader of a vlen-string dataset fails with "address of object past
+end of allocation" (checked with h5py 3.16 / HDF5 2.0). Event rows therefore hold an
+``(offset, length)`` into ``/event_detail``, a plain byte dataset written before the rows that
+point into it.
+
+Every table, column and attribute here is documented with its unit in ``docs/runlog.md``; a test
+checks that the two agree. Bump :data:`SCHEMA_VERSION` on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Layout version stored in the root attribute ``schema_version``; readers refuse newer files."""
+
+KIND_MAX_BYTES = 32
+"""Longest event kind in bytes (UTF-8); kinds are short identifiers such as ``rebalance``."""
+
+UNKNOWN_INT = -1
+"""Stored where an integer is not known (e.g. ``peak_mem_bytes`` when not measured)."""
+
+END_EVENT_KIND = "end"
+"""Kind of the event :meth:`RunLogWriter.close` writes; its absence means the run did not close."""
+
+ERROR_EVENT_KIND = "error"
+"""Kind of the event the writer's context manager records when the ``with`` body raises."""
+
+RESTART_EVENT_KIND = "restart"
+"""Kind of the event written when a writer resumes an existing run log."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One appendable table: a 1-D resizable chunked dataset of compound rows."""
+
+    name: str
+    """Dataset name under the file root."""
+    dtype: np.dtype
+    """Compound row type; field names carry units (``_s``, ``_bytes``) or are counts/indices."""
+    chunk_rows: int
+    """Rows per chunk: about 16-256 KiB, so each flush touches few chunks and reads stay fast."""
+
+
+STEPS = TableSpec(
+    name="steps",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("wall_s", "<f8"),
+            ("loss", "<f8"),
+            ("step_time_s", "<f8"),
+            ("tokens_per_s", "<f8"),
+            ("lr", "<f8"),
+            ("num_stages", "<i4"),
+            ("num_ranks", "<i4"),
+            ("num_nodes", "<i4"),
+        ]
+    ),
+    chunk_rows=1024,
+)
+
+STAGE_TIMES = TableSpec(
+    name="stage_times",
+    dtype=np.dtype([("step", "<i8"), ("stage", "<i4"), ("compute_s", "<f8"), ("idle_s", "<f8")]),
+    chunk_rows=4096,
+)
+
+LAYER_COSTS = TableSpec(
+    name="layer_costs",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("layer", "<i4"),
+            ("forward_s", "<f8"),
+            ("backward_s", "<f8"),
+            ("num_params", "<i8"),
+            ("param_bytes", "<i8"),
+            ("grad_bytes", "<i8"),
+            ("optim_bytes", "<i8"),
+        ]
+    ),
+    chunk_rows=4096,
+)
+
+PARTITIONS = TableSpec(
+    name="partitions",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("stage", "<i4"),
+            ("start_layer", "<i4"),
+            ("end_layer", "<i4"),
+            ("peak_mem_bytes", "<i8"),
+        ]
+    ),
+    chunk_rows=2048,
+)
+
+EVENTS = TableSpec(
+    name="events",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("wall_s", "<f8"),
+            ("kind", f"S{KIND_MAX_BYTES}"),
+            ("detail_offset", "<i8"),
+            ("detail_len", "<i8"),
+        ]
+    ),
+    chunk_rows=512,
+)
+
+EVENT_DETAIL = "event_detail"
+"""Dataset of ``uint8``: the UTF-8 JSON details of all events, concatenated."""
+
+EVENT_DETAIL_CHUNK_BYTES = 64 * 1024
+"""Chunk size of ``/event_detail``."""
+
+TABLES: tuple[TableSpec, ...] = (STEPS, STAGE_TIMES, LAYER_COSTS, PARTITIONS, EVENTS)
+"""Every compound table, in the order the writer flushes them (events last, after their bytes)."""
+
+ROOT_ATTRS: tuple[str, ...] = (
+    "schema_version",
+    "package_version",
+    "config_yaml",
+    "start_time_utc",
+    "start_time_unix_s",
+    "hostname",
+    "pid",
+    "python_version",
+    "h5py_version",
+    "hdf5_version",
+)
+"""Root attributes the writer always sets; caller ``meta`` keys may not reuse these names."""

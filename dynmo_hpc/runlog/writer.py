@@ -1,0 +1,435 @@
+"""Rank 0's writer of the HDF5 run log: buffered appends, SWMR, atomic creation.
+
+Why this shape:
+
+- **Cheap per step.** ``log_*`` calls only append tuples to in-memory lists; rows reach the file on
+  :meth:`RunLogWriter.flush`, which the engine calls at every load report, and automatically every
+  ``flush_every_rows`` buffered rows or ``flush_every_s`` seconds, whichever comes first.
+- **Readable while running, and after SIGKILL.** The file is in SWMR mode (``libver='latest'``,
+  ``swmr_mode = True``): a reader opening it with ``swmr=True`` sees every flushed row, and a
+  killed writer leaves a file that such a reader opens with everything up to the last flush.
+  (A plain ``h5py.File(path, 'r')`` refuses a killed writer's file until ``h5clear -s`` is run;
+  :func:`dynmo_hpc.runlog.load` always opens with ``swmr=True``.)
+- **Never half-created.** The file is built under a temporary name (attributes, every dataset,
+  SWMR switched on) and renamed into place, so ``run.h5`` either does not exist or is complete.
+- **Only rank 0 writes.** Other ranks send their numbers to rank 0 over MPI; this module never
+  touches MPI, so it is tested in one process.
+
+The layout (datasets, columns, units) is in :mod:`dynmo_hpc.runlog.schema` and ``docs/runlog.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h5py
+import numpy as np
+
+from dynmo_hpc.runlog import schema
+
+logger = logging.getLogger(__name__)
+
+MetaValue = str | int | float
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("dynmo_hpc")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _json_default(obj: Any) -> Any:
+    """Let numpy scalars/arrays and paths into event details; anything else is a caller bug."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(
+        f"event detail value {obj!r} of type {type(obj).__name__} is not JSON-serialisable; "
+        "HINT: pass str, int, float, bool, None, lists and dicts (numpy values are converted)"
+    )
+
+
+def _check_same_length(what: str, **seqs: Sequence[Any]) -> int:
+    lengths = {name: len(seq) for name, seq in seqs.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{what}: all sequences must have one entry each; got lengths {lengths}")
+    return next(iter(lengths.values()))
+
+
+def _check_parts(parts: Sequence[int], num_layers: int) -> None:
+    ok = (
+        len(parts) >= 2
+        and parts[0] == 0
+        and parts[-1] == num_layers
+        and all(a <= b for a, b in zip(parts, parts[1:], strict=False))
+    )
+    if not ok:
+        raise ValueError(
+            f"parts={list(parts)} is not a partition of {num_layers} layers; expected "
+            f"non-decreasing boundaries with parts[0]=0 and parts[-1]={num_layers} (len = stages+1)"
+        )
+
+
+def _create_tables(f: h5py.File) -> None:
+    for spec in schema.TABLES:
+        f.create_dataset(
+            spec.name,
+            shape=(0,),
+            maxshape=(None,),
+            chunks=(spec.chunk_rows,),
+            dtype=spec.dtype,
+        )
+    f.create_dataset(
+        schema.EVENT_DETAIL,
+        shape=(0,),
+        maxshape=(None,),
+        chunks=(schema.EVENT_DETAIL_CHUNK_BYTES,),
+        dtype=np.uint8,
+    )
+
+
+def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
+    start = ds.shape[0]
+    ds.resize((start + len(values),))
+    ds[start:] = values
+    ds.flush()
+
+
+class RunLogWriter:
+    """Append-only writer of ``run.h5``; use on rank 0 only, as a context manager or with close().
+
+    Example::
+
+        with RunLogWriter(run_dir / "run.h5", config_yaml=cfg.to_yaml(), meta={"launcher": "mpiexec"}) as log:
+            log.log_step(step=0, loss=5.5, step_time_s=0.8, tokens_per_s=8192.0, lr=1e-3,
+                         num_stages=2, num_ranks=2, num_nodes=1)
+            log.log_stage_times(step=0, compute_s=[0.5, 0.7], idle_s=[0.3, 0.1])
+            log.flush()
+
+    ``overwrite=True`` replaces an existing file; ``resume=True`` carries an existing file's rows
+    and root attributes into the new one (e.g. after a requeue) and logs a ``restart`` event.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        config_yaml: str,
+        meta: dict[str, MetaValue],
+        flush_every_rows: int = 4096,
+        flush_every_s: float = 10.0,
+        overwrite: bool = False,
+        resume: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.flush_every_rows = flush_every_rows
+        self.flush_every_s = flush_every_s
+        for key, value in meta.items():
+            if key in schema.ROOT_ATTRS:
+                raise ValueError(
+                    f"meta key {key!r} collides with a root attribute the writer sets; "
+                    f"reserved: {', '.join(schema.ROOT_ATTRS)}. HINT: rename the key"
+                )
+            if not isinstance(value, str | int | float):
+                raise TypeError(
+                    f"meta[{key!r}]={value!r} has type {type(value).__name__}; "
+                    "expected str, int or float"
+                )
+        exists = self.path.exists()
+        if exists and not (overwrite or resume):
+            raise FileExistsError(
+                f"{self.path} already exists; HINT: pick a new job name, delete the file, "
+                "or pass overwrite=True (replace) or resume=True (append to it)"
+            )
+        self._buffers: dict[str, list[tuple[Any, ...]]] = {t.name: [] for t in schema.TABLES}
+        self._detail_buffer = bytearray()
+        self._detail_len_bytes = 0
+        self._num_buffered_rows = 0
+        self._last_step = -1
+        self._closed = False
+        attrs = self._root_attrs(config_yaml, meta)
+        self._file = self._create(attrs, resume_from=self.path if exists and resume else None)
+        self._start_unix_s = float(self._file.attrs["start_time_unix_s"])
+        self._last_flush_monotonic = time.monotonic()
+        logger.info("run log: %s (schema %d)", self.path, schema.SCHEMA_VERSION)
+        if exists and resume:
+            self.log_event(
+                step=self._last_step,
+                kind=schema.RESTART_EVENT_KIND,
+                detail={
+                    "resumed_after_step": self._last_step,
+                    "hostname": attrs["hostname"],
+                    "pid": attrs["pid"],
+                    "config_changed": config_yaml != self._file.attrs["config_yaml"],
+                    "config_yaml": config_yaml,
+                    "meta": meta,
+                },
+            )
+            self.flush()
+
+    @staticmethod
+    def _root_attrs(config_yaml: str, meta: dict[str, MetaValue]) -> dict[str, MetaValue]:
+        now = dt.datetime.now(dt.timezone.utc)
+        attrs: dict[str, MetaValue] = {
+            "schema_version": schema.SCHEMA_VERSION,
+            "package_version": _package_version(),
+            "config_yaml": config_yaml,
+            "start_time_utc": now.isoformat(timespec="seconds"),
+            "start_time_unix_s": now.timestamp(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "python_version": platform.python_version(),
+            "h5py_version": h5py.version.version,
+            "hdf5_version": h5py.version.hdf5_version,
+        }
+        attrs.update(meta)
+        return attrs
+
+    def _create(self, attrs: dict[str, MetaValue], resume_from: Path | None) -> h5py.File:
+        """Build the complete file under a temporary name, switch SWMR on, then rename it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        f = h5py.File(tmp, "w", libver="latest", locking="best-effort")
+        try:
+            if resume_from is not None:
+                attrs = self._copy_rows(resume_from, f)  # the original run's attributes
+            else:
+                _create_tables(f)
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            f.swmr_mode = True
+            os.replace(tmp, self.path)
+        except BaseException:
+            f.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        return f
+
+    def _copy_rows(self, src_path: Path, dst: h5py.File) -> dict[str, MetaValue]:
+        """Copy a previous run log's tables into ``dst``; return its root attributes."""
+        with h5py.File(src_path, "r", swmr=True, locking="best-effort") as src:
+            version = int(src.attrs.get("schema_version", -1))
+            if version != schema.SCHEMA_VERSION:
+                raise ValueError(
+                    f"{src_path}: schema_version={version}, this writer appends to "
+                    f"{schema.SCHEMA_VERSION} only; HINT: start a new run log (overwrite=True)"
+                )
+            _create_tables(dst)
+            for spec in schema.TABLES:
+                _append(dst[spec.name], src[spec.name][()])
+            detail = src[schema.EVENT_DETAIL][()]
+            _append(dst[schema.EVENT_DETAIL], detail)
+            self._detail_len_bytes = len(detail)
+            steps = dst[schema.STEPS.name]["step"]
+            self._last_step = int(steps.max()) if len(steps) else -1
+            return {key: value for key, value in src.attrs.items()}
+
+    # -- logging API: append to buffers only ----------------------------------------------------
+
+    def log_step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        step_time_s: float,
+        tokens_per_s: float,
+        lr: float,
+        num_stages: int,
+        num_ranks: int,
+        num_nodes: int,
+    ) -> None:
+        """One row per optimizer step; ``num_ranks``/``num_nodes`` are what the job holds now."""
+        self._check_open()
+        self._last_step = max(self._last_step, int(step))
+        self._buffers[schema.STEPS.name].append(
+            (
+                int(step),
+                self._wall_s(),
+                float(loss),
+                float(step_time_s),
+                float(tokens_per_s),
+                float(lr),
+                int(num_stages),
+                int(num_ranks),
+                int(num_nodes),
+            )
+        )
+        self._rows_added(1)
+
+    def log_stage_times(
+        self, *, step: int, compute_s: Sequence[float], idle_s: Sequence[float]
+    ) -> None:
+        """Per stage: seconds computing and seconds waiting in this step (stage count may vary)."""
+        self._check_open()
+        num_stages = _check_same_length("log_stage_times", compute_s=compute_s, idle_s=idle_s)
+        rows = self._buffers[schema.STAGE_TIMES.name]
+        for stage in range(num_stages):
+            rows.append((int(step), stage, float(compute_s[stage]), float(idle_s[stage])))
+        self._rows_added(num_stages)
+
+    def log_layer_report(
+        self,
+        *,
+        step: int,
+        forward_s: Sequence[float],
+        backward_s: Sequence[float],
+        num_params: Sequence[int],
+        param_bytes: Sequence[int],
+        grad_bytes: Sequence[int],
+        optim_bytes: Sequence[int],
+        parts: Sequence[int],
+        peak_mem_bytes: Sequence[int] | None = None,
+    ) -> None:
+        """A load report: per global layer its costs and bytes; per stage the partition in force.
+
+        ``parts`` are the stage boundaries (``parts[0]=0 .. parts[P]=num_layers``);
+        ``peak_mem_bytes`` has one entry per stage, or is None when not measured.
+        """
+        self._check_open()
+        num_layers = _check_same_length(
+            "log_layer_report",
+            forward_s=forward_s,
+            backward_s=backward_s,
+            num_params=num_params,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            optim_bytes=optim_bytes,
+        )
+        _check_parts(parts, num_layers)
+        num_stages = len(parts) - 1
+        if peak_mem_bytes is None:
+            peak_mem_bytes = [schema.UNKNOWN_INT] * num_stages
+        elif len(peak_mem_bytes) != num_stages:
+            raise ValueError(
+                f"peak_mem_bytes has {len(peak_mem_bytes)} entries; expected one per stage "
+                f"({num_stages}, from parts={list(parts)}) or None"
+            )
+        layer_rows = self._buffers[schema.LAYER_COSTS.name]
+        for layer in range(num_layers):
+            layer_rows.append(
+                (
+                    int(step),
+                    layer,
+                    float(forward_s[layer]),
+                    float(backward_s[layer]),
+                    int(num_params[layer]),
+                    int(param_bytes[layer]),
+                    int(grad_bytes[layer]),
+                    int(optim_bytes[layer]),
+                )
+            )
+        part_rows = self._buffers[schema.PARTITIONS.name]
+        for stage in range(num_stages):
+            part_rows.append(
+                (int(step), stage, int(parts[stage]), int(parts[stage + 1]), int(peak_mem_bytes[stage]))
+            )
+        self._rows_added(num_layers + num_stages)
+
+    def log_event(self, *, step: int, kind: str, detail: dict[str, Any]) -> None:
+        """Something that happened (rebalance, migrate, pack, shrink, checkpoint, ...).
+
+        New kinds need no schema change: ``kind`` is free text (at most 32 UTF-8 bytes) and
+        ``detail`` any JSON-serialisable dict, stored as UTF-8 JSON in ``/event_detail``.
+        """
+        self._check_open()
+        kind_bytes = kind.encode()
+        if not 0 < len(kind_bytes) <= schema.KIND_MAX_BYTES:
+            raise ValueError(
+                f"event kind {kind!r} is {len(kind_bytes)} bytes; expected 1..{schema.KIND_MAX_BYTES}"
+            )
+        payload = json.dumps(detail, default=_json_default, sort_keys=True).encode()
+        offset = self._detail_len_bytes + len(self._detail_buffer)
+        self._detail_buffer += payload
+        self._buffers[schema.EVENTS.name].append(
+            (int(step), self._wall_s(), kind_bytes, offset, len(payload))
+        )
+        logger.debug("event at step %d: %s %s", step, kind, payload[:200])
+        self._rows_added(1)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Append every buffered row and make it visible to SWMR readers.
+
+        Event bytes are written before the event rows that point into them, so a reader (or a
+        file left by SIGKILL) never holds an event whose detail is missing.
+        """
+        self._check_open()
+        for spec in schema.TABLES:
+            if spec is schema.EVENTS and self._detail_buffer:
+                _append(
+                    self._file[schema.EVENT_DETAIL],
+                    np.frombuffer(bytes(self._detail_buffer), dtype=np.uint8),
+                )
+                self._detail_len_bytes += len(self._detail_buffer)
+                self._detail_buffer.clear()
+            rows = self._buffers[spec.name]
+            if rows:
+                _append(self._file[spec.name], np.array(rows, dtype=spec.dtype))
+                rows.clear()
+        self._file.flush()
+        self._num_buffered_rows = 0
+        self._last_flush_monotonic = time.monotonic()
+
+    def close(self, *, status: str = "ok") -> None:
+        """Write the ``end`` event (its absence marks a crashed run), flush, close. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.log_event(step=self._last_step, kind=schema.END_EVENT_KIND, detail={"status": status})
+            self.flush()
+        finally:
+            self._file.close()
+            self._closed = True
+
+    def __enter__(self) -> RunLogWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None or self._closed:
+            self.close()
+            return
+        self.log_event(
+            step=self._last_step,
+            kind=schema.ERROR_EVENT_KIND,
+            detail={"type": exc_type.__name__, "message": str(exc)},
+        )
+        self.close(status="error")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _wall_s(self) -> float:
+        """Seconds since the run started (wall clock, so it stays monotone across a resume)."""
+        return time.time() - self._start_unix_s
+
+    def _rows_added(self, num_rows: int) -> None:
+        self._num_buffered_rows += num_rows
+        if (
+            self._num_buffered_rows >= self.flush_every_rows
+            or time.monotonic() - self._last_flush_monotonic >= self.flush_every_s
+        ):
+            self.flush()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"run log {self.path} is closed; HINT: log before close()")
