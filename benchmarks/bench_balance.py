@@ -41,7 +41,8 @@ def _distributions(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
 def bench_speed(seed: int) -> None:
     rng = np.random.default_rng(seed)
     print("optimal: median wall time (time.perf_counter)")
-    print(f"{'layers':>7} {'stages':>6} {'distribution':<16} {'median':>10} {'budget':>8} {'ratio':>6}")
+    header = ("layers", "stages", "distribution", "median", "budget", "ratio")
+    print("{:>7} {:>6} {:<16} {:>10} {:>8} {:>6}".format(*header))
     for num_layers, num_stages, budget_s in SIZES:
         repeats = 51 if num_layers <= 1_000 else 9
         for name, costs in _distributions(rng, num_layers).items():
@@ -135,13 +136,16 @@ def _report(name: str, instances: Callable[[], Iterator[Instance]]) -> None:
     reached = sum(r <= 1.0 + 1e-12 for r in ratios) / len(ratios)
     print(
         f"{name:<34} {len(ratios):>6} {reached * 100:>8.1f}% {statistics.fmean(ratios):>7.4f} "
-        f"{float(np.percentile(ratios, 95)):>7.4f} {max(ratios):>7.4f} {statistics.fmean(phases):>7.1f}"
+        f"{float(np.percentile(ratios, 95)):>7.4f} {max(ratios):>7.4f} "
+        f"{statistics.fmean(phases):>7.1f}"
     )
 
 
 def bench_diffusion(seed: int, trials: int) -> None:
     print("diffusion: bottleneck / optimal bottleneck")
-    print(f"{'family':<34} {'runs':>6} {'optimal':>9} {'mean':>7} {'p95':>7} {'max':>7} {'phases':>7}")
+    print(
+        f"{'family':<34} {'runs':>6} {'optimal':>9} {'mean':>7} {'p95':>7} {'max':>7} {'phases':>7}"
+    )
     rng = np.random.default_rng(seed)
     _report("random costs, uniform start", lambda: _random_family(rng, trials, drift=False))
     _report("cost change, start = old optimum", lambda: _random_family(rng, trials, drift=True))

@@ -166,6 +166,10 @@ class RuntimeSection:
     """Path to mpiexec for local runs; null uses the one in the venv next to Python."""
     timeout_s: float = 3600.0
     """Wall-clock limit for a local launch; the job is killed and reported after it."""
+    fail_at_step: int | None = None
+    """Fault injection: raise an error on rank ``fail_rank`` at this step (tests abort handling)."""
+    fail_rank: int = 0
+    """The rank that fails when ``fail_at_step`` is set."""
 
     def validate(self) -> None:
         if self.threads_per_rank < 1:

@@ -8,6 +8,7 @@ losses to match these, so any schedule or communication bug shows up as a number
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ class ReferenceResult:
     """Mean LM cross-entropy per step (over microbatches)."""
     state: dict[int, dict[str, torch.Tensor]]
     """Final parameters by global layer index."""
+    step_time_s: list[float]
+    """Wall seconds per step (the single-process baseline for benchmarks)."""
 
 
 def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult:
@@ -45,7 +48,9 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
     dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
     num_mb = cfg.train.num_microbatches
     losses = []
+    step_time_s = []
     for step in range(num_steps):
+        t0 = time.perf_counter()
         step_loss = 0.0
         for mb in range(num_mb):
             tokens, targets = dataset.batch(cfg.job.seed, step, mb, cfg.train.micro_batch_size)
@@ -69,8 +74,9 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             slot.optimizer.zero_grad(set_to_none=True)
         controller.step_end(step, slots, lambda obj: [obj])
         losses.append(step_loss)
+        step_time_s.append(time.perf_counter() - t0)
     state = {
         slot.index: {k: v.detach().clone() for k, v in slot.module.state_dict().items()}
         for slot in slots
     }
-    return ReferenceResult(losses=losses, state=state)
+    return ReferenceResult(losses=losses, state=state, step_time_s=step_time_s)

@@ -41,6 +41,8 @@ class ReportResult:
 
     summary: str
     """The text summary (also in ``summary_path``)."""
+    out_dir: Path
+    """The directory holding everything below."""
     summary_path: Path
     """``<out_dir>/summary.txt``."""
     png_paths: dict[str, Path]
@@ -334,7 +336,9 @@ def write_report(
         png_paths[name] = out / f"{name}.png"
         draw(run).savefig(png_paths[name], dpi=dpi)
     logger.info("report for %s written to %s", path, out)
-    return ReportResult(summary=summary, summary_path=summary_path, png_paths=png_paths)
+    return ReportResult(
+        summary=summary, out_dir=out, summary_path=summary_path, png_paths=png_paths
+    )
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -342,7 +346,7 @@ def write_report(
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``report`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
         help="summarise a run log and plot it",
         description="Print a text summary of RUN.h5 and write it with PNG figures to --out.",

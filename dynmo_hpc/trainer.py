@@ -180,6 +180,8 @@ class Trainer:
     def step(self, step: int) -> StepStats:
         cfg = self.cfg
         t0 = time.perf_counter()
+        if cfg.runtime.fail_at_step == step and self.rank == cfg.runtime.fail_rank:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {step}")
         actions = build_schedule(
             cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
         )

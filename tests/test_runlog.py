@@ -163,15 +163,19 @@ def test_event_details_survive_any_json_and_size(tmp_path: Path) -> None:
 def test_bad_input_is_rejected_with_the_expectation(
     tmp_path: Path, call: object, message: str
 ) -> None:
-    with RunLogWriter(tmp_path / "run.h5", config_yaml="", meta={}) as w:
-        with pytest.raises(ValueError, match=message):
-            call(w)  # type: ignore[operator]
+    with (
+        RunLogWriter(tmp_path / "run.h5", config_yaml="", meta={}) as w,
+        pytest.raises(ValueError, match=message),
+    ):
+        call(w)  # type: ignore[operator]
 
 
 def test_non_json_detail_names_the_value(tmp_path: Path) -> None:
-    with RunLogWriter(tmp_path / "run.h5", config_yaml="", meta={}) as w:
-        with pytest.raises(TypeError, match="not JSON-serialisable; HINT"):
-            w.log_event(step=0, kind="x", detail={"obj": object()})
+    with (
+        RunLogWriter(tmp_path / "run.h5", config_yaml="", meta={}) as w,
+        pytest.raises(TypeError, match="not JSON-serialisable; HINT"),
+    ):
+        w.log_event(step=0, kind="x", detail={"obj": object()})
 
 
 def test_meta_may_not_shadow_root_attributes(tmp_path: Path) -> None:
@@ -216,10 +220,12 @@ def test_resume_keeps_rows_and_logs_a_restart(tmp_path: Path) -> None:
 
 def test_context_manager_records_the_error(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
-    with pytest.raises(RuntimeError, match="boom"):
-        with RunLogWriter(path, config_yaml="", meta={}) as w:
-            _step(w, 0)
-            raise RuntimeError("boom")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        RunLogWriter(path, config_yaml="", meta={}) as w,
+    ):
+        _step(w, 0)
+        raise RuntimeError("boom")
     run = load(path)
     assert run.events["kind"].tolist() == ["error", "end"]
     assert run.events["detail"].iloc[0] == {"type": "RuntimeError", "message": "boom"}

@@ -55,7 +55,10 @@ WRITER = textwrap.dedent(
 def _start_writer(tmp_path: Path, path: Path, max_steps: int, sleep_s: float) -> subprocess.Popen:
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.Popen(
         [sys.executable, str(script), str(path), str(max_steps), str(sleep_s)],
         stdout=subprocess.PIPE,
@@ -120,8 +123,16 @@ def test_sigkill_mid_writing_leaves_a_readable_file(tmp_path: Path, kill_after_s
     # A requeued job can carry on in the same file.
     with RunLogWriter(path, config_yaml="job:\n  name: crash\n", meta={}, resume=True) as w:
         last = int(load(path).steps["step"].iloc[-1])
-        w.log_step(step=last + 1, loss=0.0, step_time_s=0.1, tokens_per_s=1e4, lr=1e-3,
-                   num_stages=2, num_ranks=2, num_nodes=1)
+        w.log_step(
+            step=last + 1,
+            loss=0.0,
+            step_time_s=0.1,
+            tokens_per_s=1e4,
+            lr=1e-3,
+            num_stages=2,
+            num_ranks=2,
+            num_nodes=1,
+        )
     run = load(path)
     assert run.steps["step"].tolist() == list(range(last + 2))
     assert run.events["kind"].tolist()[-2:] == [schema.RESTART_EVENT_KIND, schema.END_EVENT_KIND]

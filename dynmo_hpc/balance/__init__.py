@@ -82,6 +82,17 @@ def partition(
             f"algorithm {algorithm!r} does not take option(s) {', '.join(unknown)}; "
             f"valid options: {', '.join(valid) if valid else 'none'}"
         )
+    required = [
+        name
+        for name, param in inspect.signature(function).parameters.items()
+        if param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is inspect.Parameter.empty
+    ]
+    missing = [name for name in required if name not in options]
+    if missing:
+        raise ValueError(
+            f"algorithm {algorithm!r} needs option(s) {', '.join(missing)}, e.g. "
+            f"partition(costs, num_stages, {algorithm!r}, {missing[0]}=[one value per layer])"
+        )
     return function(costs, num_stages, **options)
 
 

@@ -41,7 +41,7 @@ def check_values(values: CostsLike, name: str = "costs") -> list[float]:
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"{name}[{i}]={array[i]!r} is invalid: every entry must be finite and >= 0 "
+            f"{name}[{i}]={float(array[i])!r} is invalid: every entry must be finite and >= 0 "
             f"({bad.size} bad entries in total)"
         )
     return [float(x) for x in array]

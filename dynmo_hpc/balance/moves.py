@@ -43,10 +43,13 @@ def plan_moves(old_parts: Sequence[int], new_parts: Sequence[int]) -> list[Move]
     if len(old_parts) == 0 or len(new_parts) == 0:
         raise ValueError(f"partitions must not be empty: old={old_parts}, new={new_parts}")
     num_layers = int(old_parts[-1])
+    if int(new_parts[-1]) != num_layers:
+        raise ValueError(
+            f"old_parts covers {num_layers} layers but new_parts covers {int(new_parts[-1])}; "
+            "both must partition the same model"
+        )
     old = check_parts(old_parts, num_layers, "old_parts")
     new = check_parts(new_parts, num_layers, "new_parts")
-    if new[-1] != old[-1]:
-        raise ValueError(f"old_parts covers {old[-1]} layers but new_parts covers {new[-1]}")
     moves: list[Move] = []
     i = j = 0  # stage index in old and new
     start = 0
@@ -60,4 +63,3 @@ def plan_moves(old_parts: Sequence[int], new_parts: Sequence[int]) -> list[Move]
             moves.extend(Move(layer, i, j) for layer in range(start, end))
         start = end
     return moves
-

@@ -34,6 +34,7 @@ stage load below ``B*``.
 from __future__ import annotations
 
 import math
+import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
@@ -101,7 +102,7 @@ class Chain:
         """The exact optimal bottleneck ``B*`` (a stage load, in the shared prefix arithmetic)."""
         prefix, n = self.prefix, self.num_layers
         total_s = prefix[n]
-        largest_s = float(np.max(np.diff(np.asarray(prefix))))
+        largest_s = max(map(operator.sub, prefix[1:], prefix[:-1]))  # heaviest single layer
         lo = max(largest_s, total_s / num_stages * (1.0 - _AVERAGE_SLACK))
         fits, hi, _ = self.probe(min(total_s, total_s / num_stages + largest_s), num_stages)
         if not fits:  # only a memory capacity can make the classic upper bound fail

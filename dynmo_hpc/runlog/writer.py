@@ -21,7 +21,6 @@ The layout (datasets, columns, units) is in :mod:`dynmo_hpc.runlog.schema` and `
 from __future__ import annotations
 
 import datetime as dt
-import importlib.metadata
 import itertools
 import json
 import logging
@@ -37,18 +36,12 @@ from typing import Any
 import h5py
 import numpy as np
 
+from dynmo_hpc import __version__
 from dynmo_hpc.runlog import schema
 
 logger = logging.getLogger(__name__)
 
 MetaValue = str | int | float
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("dynmo_hpc")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def _json_default(obj: Any) -> Any:
@@ -189,7 +182,7 @@ class RunLogWriter:
         now = dt.datetime.now(dt.timezone.utc)
         attrs: dict[str, MetaValue] = {
             "schema_version": schema.SCHEMA_VERSION,
-            "package_version": _package_version(),
+            "package_version": __version__,
             "config_yaml": config_yaml,
             "start_time_utc": now.isoformat(timespec="seconds"),
             "start_time_unix_s": now.timestamp(),

@@ -30,24 +30,28 @@ _OPEN_MPI_ENV: dict[str, str] = {
     # Open MPI refuses to start as root without both (containers, CI, the test cluster).
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    # Several "nodes" may share one host: keep Open MPI on loopback TCP. Its shared-memory
-    # transport between ranks it believes are on different nodes, or other interfaces, fail there.
+    # PMIx's shared-memory data store crashed a few launches in a hundred; the hash store did not.
+    "PMIX_MCA_gds": "hash",
+}
+"""Open MPI 5 settings for every cluster."""
+
+_ONE_HOST_ENV: dict[str, str] = {
+    # All "nodes" share one host: keep Open MPI on loopback TCP. Shared memory between ranks it
+    # believes are on different nodes, or other interfaces, fail there. On a real cluster these
+    # would forbid the fast interconnect, so they are opt-in.
     "OMPI_MCA_btl": "self,tcp",
     "OMPI_MCA_btl_tcp_if_include": "lo",
     "OMPI_MCA_oob_tcp_if_include": "lo",
     "OMPI_MCA_pml": "ob1",
-    # PMIx's shared-memory data store crashed a few launches in a hundred; the hash store did not.
-    "PMIX_MCA_gds": "hash",
 }
-"""Environment for Open MPI 5 ranks on the test cluster; harmless on a real one except that
-``*_if_include=lo`` must be dropped where ranks really are on different hosts."""
+"""Extra settings for a cluster whose nodes all run on one host (scripts/slurm_cluster.sh)."""
 
 
-def slurm_mpi_env(launcher: str, *, loopback_only: bool = True) -> dict[str, str]:
+def slurm_mpi_env(launcher: str, *, loopback_only: bool = False) -> dict[str, str]:
     """The variables the batch script exports before the manager starts the ranks.
 
-    ``loopback_only`` pins Open MPI to ``lo``: right for the one-host test cluster, wrong for a
-    real multi-host cluster, where the interface selection must be left to Open MPI.
+    ``loopback_only`` pins Open MPI to TCP over ``lo``: right for the one-host test cluster, wrong
+    for a real cluster, where Open MPI must pick the interconnect itself.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(
@@ -55,9 +59,8 @@ def slurm_mpi_env(launcher: str, *, loopback_only: bool = True) -> dict[str, str
             "HINT: use 'srun' (srun --mpi=pmix), 'mpirun' (the venv's Open MPI) or 'auto'"
         )
     env = dict(_OPEN_MPI_ENV)
-    if not loopback_only:
-        for name in ("OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_oob_tcp_if_include"):
-            del env[name]
+    if loopback_only:
+        env.update(_ONE_HOST_ENV)
     if resolve_launcher(launcher) == "srun":
         # A plain `srun` in the job then uses PMIx, as the ranks need.
         env["SLURM_MPI_TYPE"] = "pmix"

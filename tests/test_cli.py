@@ -1,0 +1,76 @@
+"""The CLI as a user runs it: real subprocesses, clear one-line errors, non-zero exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi_helpers import TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dynmo(*args: str, timeout_s: float = 300, env: dict[str, str] | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "dynmo_hpc", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_bad_yaml_key_is_one_clear_line(tmp_path):
+    job = tmp_path / "bad.yaml"
+    job.write_text("train:\n  stepz: 3\n")
+    out = dynmo("run", str(job))
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and "train.stepz" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_job_file():
+    out = dynmo("run", "jobs/nope.yaml")
+    assert out.returncode == 2 and "job file not found" in out.stderr
+
+
+def test_missing_mpiexec(tmp_path):
+    out = dynmo("run", "jobs/default.yaml", "--set", "runtime.mpi_launcher=/no/mpiexec")
+    assert out.returncode == 2 and "mpiexec not found" in out.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_run_end_to_end_writes_run_dir(tmp_path):
+    sets = [a for o in [*TINY, f"job.out_dir={tmp_path}", "train.checkpoint=true"] for a in ("--set", o)]
+    out = dynmo("run", "jobs/default.yaml", *sets)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "default"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "run.h5").is_file()
+    assert (run_dir / "checkpoint" / "meta.json").is_file()
+    assert "done in" in out.stdout
+    # Progress lines on rank 0: step, loss, tokens/s, ETA.
+    assert "step 4/4 | loss" in out.stderr and "tok/s" in out.stderr and "ETA" in out.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_failure_on_one_rank_aborts_the_job_quickly(tmp_path):
+    sets = [
+        a
+        for o in [*TINY, f"job.out_dir={tmp_path}", "pipeline.num_stages=4", "train.steps=50",
+                  "runtime.fail_at_step=2", "runtime.fail_rank=2"]
+        for a in ("--set", o)
+    ]
+    t0 = time.perf_counter()
+    out = dynmo("run", "jobs/default.yaml", *sets, timeout_s=120)
+    elapsed_s = time.perf_counter() - t0
+    assert out.returncode != 0
+    assert "injected failure on rank 2 at step 2" in out.stderr  # that rank's traceback
+    assert "error: training failed" in out.stderr
+    assert elapsed_s < 60, f"abort took {elapsed_s:.0f} s"

@@ -1,0 +1,100 @@
+"""`dynmo-hpc plan`: argument parsing and the JSON it prints (called in-process, no subprocess)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+
+from dynmo_hpc import plan_cli
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="dynmo-hpc")
+    plan_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_optimal_plan_prints_boundaries_and_stage_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(["--costs", "0,1,2,3,3,3", "--stages", "4"], capsys)
+    assert rc == 0 and err == ""
+    result = json.loads(out)
+    assert result["algorithm"] == "optimal"
+    assert result["parts"] == [0, 3, 4, 5, 6]
+    assert result["stage_costs"] == [3.0, 3.0, 3.0, 3.0]
+    assert result["bottleneck"] == result["optimal_bottleneck"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "extra", "parts"),
+    [
+        ("uniform", [], [0, 1, 2, 4]),
+        ("diffusion", [], [0, 1, 2, 4]),
+        ("optimal", [], [0, 2, 3, 4]),
+        ("parameters", ["--params", "1,1,1,5"], [0, 2, 3, 4]),
+    ],
+)
+def test_each_algorithm_is_selectable(
+    algorithm: str, extra: list[str], parts: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = _run(
+        ["--costs", "0,1,1,1", "--stages", "3", "--algorithm", algorithm, *extra], capsys
+    )
+    assert rc == 0
+    result = json.loads(out)
+    assert result["parts"] == parts and result["optimal_bottleneck"] == 1.0
+
+
+def test_capacity_and_memory_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--costs", "1,1,1,1", "--stages", "2", "--memory", "1,1,1,3", "--capacity", "3"]
+    rc, out, _ = _run(argv, capsys)
+    result = json.loads(out)
+    assert rc == 0 and result["parts"] == [0, 3, 4]
+    assert result["stage_memory"] == [3.0, 3.0]
+
+
+def test_current_is_kept_when_optimal_and_moves_are_counted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, _ = _run(["--costs", "1,1,1,1", "--stages", "2", "--current", "0,2,4"], capsys)
+    assert rc == 0 and json.loads(out)["num_moves"] == 0
+    rc, out, _ = _run(["--costs", "1,1,1,1", "--stages", "2", "--current", "0,1,4"], capsys)
+    result = json.loads(out)
+    assert result["parts"] == [0, 2, 4] and result["num_moves"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--costs", "1,1", "--stages", "4"], "num_stages=4 > number of layers=2"),
+        (
+            ["--costs", "1,1,1,1", "--stages", "2", "--memory", "1,1,1,3", "--capacity", "2"],
+            "need at least 3 bytes per stage",
+        ),
+        (["--costs", "1,-1", "--stages", "1"], r"costs\[1\]=-1.0 is invalid"),
+        (["--costs", "1,1", "--stages", "1", "--algorithm", "uniform", "--capacity", "3"], "valid"),
+        (
+            ["--costs", "1,1", "--stages", "1", "--algorithm", "parameters"],
+            r"'parameters' needs option\(s\) params",
+        ),
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert re.search(message, err)
+
+
+def test_malformed_list_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        _run(["--costs", "1,x", "--stages", "1"], capsys)
+    assert excinfo.value.code == 2
+    assert "comma-separated numbers" in capsys.readouterr().err
