@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from dynmo_hpc.balance import bottleneck, diffusion_trace, optimal, optimal_bottleneck
+from dynmo_hpc.balance import (
+    bottleneck,
+    diffusion,
+    diffusion_trace,
+    optimal,
+    optimal_bottleneck,
+)
 
 SIZES = ((1_000, 64, 0.010), (10_000, 1_000, 1.0))  # layers, stages, budget in seconds
 
@@ -38,6 +44,16 @@ def _distributions(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     }
 
 
+def _median_s(function: Callable[[], object], repeats: int) -> float:
+    function()  # warm-up
+    times_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        function()
+        times_s.append(time.perf_counter() - t0)
+    return statistics.median(times_s)
+
+
 def bench_speed(seed: int) -> None:
     rng = np.random.default_rng(seed)
     print("optimal: median wall time (time.perf_counter)")
@@ -47,17 +63,14 @@ def bench_speed(seed: int) -> None:
         repeats = 51 if num_layers <= 1_000 else 9
         for name, costs in _distributions(rng, num_layers).items():
             values = costs.tolist()
-            optimal(values, num_stages)  # warm-up
-            times_s = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                optimal(values, num_stages)
-                times_s.append(time.perf_counter() - t0)
-            median_s = statistics.median(times_s)
+            median_s = _median_s(lambda v=values, p=num_stages: optimal(v, p), repeats)
             print(
                 f"{num_layers:>7} {num_stages:>6} {name:<16} {median_s * 1e3:>8.2f}ms "
                 f"{budget_s * 1e3:>6.0f}ms {median_s / budget_s:>6.3f}"
             )
+    values = rng.random(1_000).tolist()
+    median_s = _median_s(lambda: diffusion(values, 64), 11)
+    print(f"for scale, diffusion (no budget) 1000 x 64 uniform(0,1): {median_s * 1e3:.2f}ms")
 
 
 Instance = tuple[list[float], int, list[int] | None]  # costs, stages, start (None: uniform)
@@ -127,33 +140,38 @@ def _ratio(costs: list[float], num_stages: int, start: list[int] | None) -> tupl
     return ratio, len(trace) - 1
 
 
-def _report(name: str, instances: Callable[[], Iterator[Instance]]) -> None:
+def _report(name: str, instances: list[Instance]) -> None:
     ratios, phases = [], []
-    for costs, num_stages, start in instances():
+    for costs, num_stages, start in instances:
         ratio, num_phases = _ratio(costs, num_stages, start)
         ratios.append(ratio)
         phases.append(num_phases)
     reached = sum(r <= 1.0 + 1e-12 for r in ratios) / len(ratios)
     print(
-        f"{name:<34} {len(ratios):>6} {reached * 100:>8.1f}% {statistics.fmean(ratios):>7.4f} "
+        f"{name:<36} {len(ratios):>5} {reached * 100:>8.1f}% {statistics.fmean(ratios):>7.4f} "
         f"{float(np.percentile(ratios, 95)):>7.4f} {max(ratios):>7.4f} "
         f"{statistics.fmean(phases):>7.1f}"
     )
 
 
+def _report_by_stages(name: str, instances: list[Instance]) -> None:
+    _report(name, instances)
+    for num_stages in sorted({p for _, p, _ in instances}):
+        group = [inst for inst in instances if inst[1] == num_stages]
+        _report(f"  of which P={num_stages}", group)
+
+
 def bench_diffusion(seed: int, trials: int) -> None:
     print("diffusion: bottleneck / optimal bottleneck")
-    print(
-        f"{'family':<34} {'runs':>6} {'optimal':>9} {'mean':>7} {'p95':>7} {'max':>7} {'phases':>7}"
-    )
+    header = ("family", "runs", "optimal", "mean", "p95", "max", "phases")
+    print("{:<36} {:>5} {:>9} {:>7} {:>7} {:>7} {:>7}".format(*header))
     rng = np.random.default_rng(seed)
-    _report("random costs, uniform start", lambda: _random_family(rng, trials, drift=False))
-    _report("cost change, start = old optimum", lambda: _random_family(rng, trials, drift=True))
-    _report("[0,1,1,1] on 3, uniform start", lambda: iter([([0.0, 1.0, 1.0, 1.0], 3, None)]))
+    _report_by_stages("random costs, uniform start", list(_random_family(rng, trials, False)))
+    _report_by_stages("cost change, start = old optimum", list(_random_family(rng, trials, True)))
+    _report("[0,1,1,1] on 3, uniform start", [([0.0, 1.0, 1.0, 1.0], 3, None)])
     for r in (2, 3, 5, 8):
-        p = r * (r + 1) // 2
-        _report(f"staircase r={r} (P={p}), stuck start", lambda r=r: iter([_staircase(r)]))
-    _report("hill-climbed worst, uniform start", lambda: _worst_from_uniform(rng, 300))
+        _report(f"staircase r={r} (P={r * (r + 1) // 2}), stuck start", [_staircase(r)])
+    _report("hill-climbed worst, uniform start", list(_worst_from_uniform(rng, 300)))
 
 
 def main() -> None:

@@ -51,7 +51,8 @@ def bench_config(out_dir: Path, steps: int, num_microbatches: int, name: str) ->
             "train.log_interval=1000",
             "pipeline.num_stages=2",
             "pipeline.partition=[0, 5, 10]",
-            f"runlog.report_interval={steps}",
+            f"balance.interval={steps}",
+            "balance.algorithm=static",
         ],
     )
 

@@ -43,7 +43,7 @@ def _ints(text: str) -> list[int]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``plan`` on ``subparsers``; the parsed args carry ``func=run``."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "plan",
         help="partition layer costs over pipeline stages and print the plan as JSON",
         description="Partition per-layer costs over pipeline stages; prints JSON to stdout.",

@@ -73,7 +73,8 @@ def _header(run: RunLog, steps: pd.DataFrame) -> list[str]:
         f"started {a.get('start_time_utc')} on {a.get('hostname')} (pid {a.get('pid')})",
     ]
     if meta:
-        lines.append("  " + ", ".join(f"{k}: {v}" for k, v in sorted(meta.items())))
+        shown = {k: str(v) if len(str(v)) <= 60 else str(v)[:57] + "..." for k, v in meta.items()}
+        lines.append("  " + ", ".join(f"{k}: {v}" for k, v in sorted(shown.items())))
     if status is None:
         lines.append(
             f"  status: NOT CLOSED (crashed, killed or still running); rows up to the last "
@@ -192,6 +193,7 @@ def _figure(title: str, ylabel: str, xlabel: str = "step") -> tuple[Figure, Any]
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     return fig, ax
 
 

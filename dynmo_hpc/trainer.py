@@ -7,7 +7,9 @@ Runs on every rank of an MPI job (see :mod:`dynmo_hpc.worker`); rank ``r`` is pi
 2. ``Allreduce`` of per-layer squared gradient norms (global-norm clipping);
 3. optimizer step;
 4. ``gather`` of the step's losses and stage times to rank 0 (progress, run log);
-5. every ``runlog.report_interval`` steps, a load report (per-layer costs and bytes) to rank 0.
+5. every ``balance.interval`` steps, a load report (per-layer costs and bytes) to rank 0, whose
+   balancing decision is broadcast; if it enacts a new partition, layers migrate
+   (:mod:`dynmo_hpc.migration`) before the next step.
 """
 
 from __future__ import annotations
@@ -27,31 +29,27 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
+from .balance import uniform
 from .comm import StageLink
 from .config import JobConfig
 from .data import TextDataset
 from .device import pick_device
 from .engine import PipelineStage, StepStats
+from .migration import measure_bandwidth, migrate
 from .optim import clip_coefficient, lr_at, squared_grad_norm
+from .profiler import CostTracker, IntervalAccumulator
+from .rebalance import decide
 from .schedule import build_schedule
 from .schemes import SchemeController
 
 log = logging.getLogger(__name__)
 
 
-def uniform_partition(num_layers: int, num_stages: int) -> list[int]:
-    """Megatron-style split: stage sizes differ by at most one, larger stages first."""
-    base, extra = divmod(num_layers, num_stages)
-    parts = [0]
-    for stage in range(num_stages):
-        parts.append(parts[-1] + base + (1 if stage < extra else 0))
-    return parts
-
-
 def initial_partition(cfg: JobConfig) -> list[int]:
+    """``pipeline.partition`` if given, else Megatron's uniform split of all layers."""
     if cfg.pipeline.partition is not None:
         return list(cfg.pipeline.partition)
-    return uniform_partition(cfg.model.num_pipeline_layers, cfg.pipeline.num_stages)
+    return uniform([1.0] * cfg.model.num_pipeline_layers, cfg.pipeline.num_stages)
 
 
 @dataclass
@@ -122,6 +120,13 @@ class Trainer:
         self.stage = PipelineStage(cfg, self.rank, self.parts, self.link, self.dataset, self.device)
         self.stage.check_invariants()
         self.schemes = SchemeController(cfg)
+        self.migration_comm = comm.Dup()
+        self.accumulator = IntervalAccumulator()
+        self.tracker = CostTracker(cfg.model.num_pipeline_layers, cfg.balance.smoothing)
+        self.num_reports = 0
+        self.bandwidth_bytes_per_s = (
+            measure_bandwidth(self.migration_comm) if cfg.balance.algorithm != "static" else 0.0
+        )
         self.result = TrainResult()
         self.writer: Any = None
         if self.rank == 0:
@@ -139,19 +144,57 @@ class Trainer:
             "device": str(self.device),
             "torch_version": str(torch.__version__),
         }
-        return RunLogWriter(self.run_dir / "run.h5", config_yaml=self.cfg.to_yaml(), meta=meta)
+        # A new run of the same job replaces its log (the CLI has already replaced its config).
+        return RunLogWriter(
+            self.run_dir / "run.h5", config_yaml=self.cfg.to_yaml(), meta=meta, overwrite=True
+        )
 
-    def _load_report(self, step: int, stats: StepStats) -> None:
-        """Gather per-layer costs and bytes to rank 0 and record them."""
+    def _load_report(self, step: int) -> None:
+        """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
+        forward_s, backward_s = self.accumulator.mean_per_step()
         report = {
-            "forward_s": stats.forward_s,
-            "backward_s": stats.backward_s,
+            "forward_s": forward_s,
+            "backward_s": backward_s,
             "bytes": layer_bytes(self.stage),
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
         gathered = self.comm.gather(report, root=0)
-        if self.rank != 0:
-            return
+        plan_parts: list[int] | None = None
+        if self.rank == 0:
+            plan_parts = self._record_and_decide(step, gathered)
+        new_parts = self.comm.bcast(plan_parts, root=0)
+        self.num_reports += 1
+        if new_parts is not None:
+            stats = migrate(self.stage, self.migration_comm, new_parts)
+            totals = self.comm.gather(stats, root=0)
+            self.parts = list(new_parts)
+            if self.rank == 0:
+                moved = sum(t.bytes_sent for t in totals)
+                seconds = max(t.seconds for t in totals)
+                if moved and seconds > 0:
+                    self.bandwidth_bytes_per_s = moved / seconds
+                self.writer.log_event(
+                    step=step,
+                    kind="migrate",
+                    detail={
+                        "new_parts": self.parts,
+                        "num_moves": totals[0].num_moves,
+                        "bytes_moved": moved,
+                        "seconds": seconds,
+                    },
+                )
+                log.info(
+                    "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
+                    step + 1,
+                    totals[0].num_moves,
+                    moved / 1e6,
+                    seconds,
+                    self.parts,
+                )
+        if self.rank == 0:
+            self.writer.flush()
+
+    def _record_and_decide(self, step: int, gathered: list[dict[str, Any]]) -> list[int] | None:
         num_layers = self.cfg.model.num_pipeline_layers
         fwd = [0.0] * num_layers
         bwd = [0.0] * num_layers
@@ -174,7 +217,22 @@ class Trainer:
             parts=self.parts,
             peak_mem_bytes=[item["peak_mem_bytes"] for item in gathered],
         )
-        self.writer.flush()
+        costs_s = self.tracker.update(fwd, bwd)
+        if self.cfg.balance.algorithm == "static":
+            return None
+        plan = decide(
+            self.cfg.balance,
+            costs_s=costs_s,
+            num_params=[s[0] for s in sizes],
+            layer_bytes=[s[1] + s[2] + s[3] for s in sizes],
+            parts=self.parts,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            report_index=self.num_reports,
+        )
+        if plan.new_parts is not None:
+            self.writer.log_event(step=step, kind="rebalance", detail=plan.detail)
+            log.info("step %d: rebalance %s -> %s", step + 1, self.parts, plan.new_parts)
+        return plan.new_parts
 
     # ------------------------------------------------------------------ the loop
     def step(self, step: int) -> StepStats:
@@ -186,6 +244,7 @@ class Trainer:
             cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
         )
         stats = self.stage.run_schedule(step, actions)
+        self.accumulator.add(stats.forward_s, stats.backward_s)
 
         sq_norms = np.zeros(cfg.model.num_pipeline_layers, dtype=np.float64)
         for slot in self.stage.slots:
@@ -257,12 +316,12 @@ class Trainer:
                 cfg.train.micro_batch_size,
                 cfg.model.seq_len,
             )
-        interval = cfg.runlog.report_interval
+        interval = cfg.balance.interval
         try:
             for step in range(cfg.train.steps):
-                stats = self.step(step)
+                self.step(step)
                 if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
-                    self._load_report(step, stats)
+                    self._load_report(step)
             if cfg.train.checkpoint:
                 self.save_checkpoint(cfg.train.steps)
             self.result.parts = list(self.parts)
@@ -270,9 +329,18 @@ class Trainer:
                 checkpoint.atomic_write_text(
                     self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
                 )
-        finally:
+        except BaseException as exc:
             if self.writer is not None:
-                self.writer.close()
+                self.writer.log_event(
+                    step=len(self.result.losses),
+                    kind="error",
+                    detail={"type": type(exc).__name__, "message": str(exc)[:2000]},
+                )
+                self.writer.close(status="error")
+                self.writer = None
+            raise
+        if self.writer is not None:
+            self.writer.close()
         return self.result
 
     def save_checkpoint(self, step: int) -> Path:
@@ -284,7 +352,11 @@ class Trainer:
         if self.rank == 0:
             checkpoint.write_meta(
                 directory,
-                {"step": step, "parts": self.parts, "num_layers": self.cfg.model.num_pipeline_layers},
+                {
+                    "step": step,
+                    "parts": self.parts,
+                    "num_layers": self.cfg.model.num_pipeline_layers,
+                },
             )
             self.writer.log_event(
                 step=step,

@@ -280,6 +280,23 @@ start_daemons() {
   log "slurmctld and $NUM_NODES slurmd started"
 }
 
+# A port already listening means another cluster (say, another checkout's .slurm) is running;
+# without this check the new daemons fail to bind and 'up' would only time out.
+port_listening() {
+  local hex
+  hex=$(printf '%04X' "$1")
+  cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | awk -v p=":$hex" '$2 ~ p"$" && $4 == "0A" {f=1} END {exit !f}'
+}
+
+check_ports_free() {
+  local port busy=()
+  for port in $CTLD_PORT $DBD_PORT $DB_PORT $(seq $((SLURMD_PORT0 + 1)) $((SLURMD_PORT0 + NUM_NODES))); do
+    port_listening "$port" && busy+=("$port")
+  done
+  [ ${#busy[@]} -eq 0 ] || die "TCP port(s) ${busy[*]} already in use: another SLURM cluster or database is running" \
+    "stop it first (for another checkout: DYNMO_SLURM_DIR=<its .slurm> bash $0 down)"
+}
+
 hosts_mode() {
   case "${DYNMO_SLURM_HOSTS:-auto}" in
     unshare | etc-hosts) echo "$DYNMO_SLURM_HOSTS" ;;
@@ -321,6 +338,7 @@ cmd_up() {
     log "partially running; restarting"
     stop_daemons
   fi
+  check_ports_free
   write_configs
   if [ "$(hosts_mode)" = unshare ]; then
     # setsid: the daemons must not die with the caller's process group or terminal.

@@ -29,7 +29,8 @@ TINY = [
     "train.steps=4",
     "train.log_interval=1",
     "train.checkpoint=false",
-    "runlog.report_interval=2",
+    "balance.interval=2",
+    "balance.algorithm=static",
 ]
 
 

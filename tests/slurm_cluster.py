@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 UP_TIMEOUT_S = 900.0
-"""A fresh machine installs about 45 MB of packages first; 30 s was typical, allow for slow mirrors."""
+"""A fresh machine first installs about 45 MB of packages (about 30 s); allow for slow mirrors."""
 
 TERMINAL_STATES = frozenset(
     {
@@ -72,11 +72,16 @@ class SlurmCluster:
             )
         return out
 
-    def sbatch(self, *args: str, cwd: Path | None = None) -> int:
-        """Submit with ``sbatch --parsable ARGS``; returns the job id."""
+    def sbatch(
+        self, *args: str, cwd: Path | None = None, env: Mapping[str, str] | None = None
+    ) -> int:
+        """Submit with ``sbatch --parsable ARGS``; returns the job id.
+
+        The job inherits ``env`` (default ``self.env``): sbatch exports the submitter's environment.
+        """
         out = subprocess.run(
             ["sbatch", "--parsable", *args],
-            env=self.env,
+            env=dict(self.env if env is None else env),
             capture_output=True,
             text=True,
             timeout=60,

@@ -113,7 +113,11 @@ def test_num_stages_must_be_a_positive_int() -> None:
 
 
 def test_numpy_costs_are_accepted() -> None:
-    assert partition(np.array([0, 1, 2, 3, 3, 3]), np.int64(4)) == [0, 3, 4, 5, 6]
+    num_stages: int = np.int64(4)  # type: ignore[assignment]
+    for algorithm in ("uniform", "optimal", "diffusion"):
+        parts = partition(np.array([0, 1, 2, 3, 3, 3]), num_stages, algorithm)
+        assert all(type(b) is int for b in parts), parts
+    assert partition(np.array([0, 1, 2, 3, 3, 3]), num_stages) == [0, 3, 4, 5, 6]
 
 
 # --- static baselines -----------------------------------------------------------------------------

@@ -128,7 +128,10 @@ def test_current_is_kept_iff_optimal_and_result_is_always_optimal() -> None:
         current = [0, *cuts, n]
         best, _ = _brute(costs, num_stages)
         parts = optimal(costs, num_stages, current=current)
-        assert _bottleneck(costs, parts) == best
+        if parts == current:  # kept: optimal up to rel_tol (float noise)
+            assert _bottleneck(costs, parts) <= best * (1 + 1e-12)
+        else:
+            assert _bottleneck(costs, parts) == best
         if _bottleneck(costs, current) == best:
             assert parts == current
 

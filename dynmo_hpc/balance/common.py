@@ -47,8 +47,8 @@ def check_values(values: CostsLike, name: str = "costs") -> list[float]:
     return [float(x) for x in array]
 
 
-def check_num_stages(num_stages: int, num_layers: int) -> None:
-    """ValueError unless ``1 <= num_stages <= num_layers`` (every stage needs one layer).
+def check_num_stages(num_stages: int, num_layers: int) -> int:
+    """``num_stages`` as a Python int; ValueError unless ``1 <= num_stages <= num_layers``.
 
     Why an error and not a best effort: the old DeepSpeed partitioner looped forever here, and
     handing back an empty stage gives a rank nothing to run.
@@ -62,6 +62,7 @@ def check_num_stages(num_stages: int, num_layers: int) -> None:
             f"num_stages={num_stages} > number of layers={num_layers}: every stage needs at least "
             f"one layer; use at most {num_layers} stages or split the model into more layers"
         )
+    return int(num_stages)
 
 
 def check_parts(parts: Sequence[int], num_layers: int, name: str = "parts") -> list[int]:

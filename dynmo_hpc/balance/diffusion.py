@@ -74,15 +74,14 @@ def resplit(chain: Chain, a: int, b: int, c: int) -> int:
     if best_s >= old_s:
         return b
     # Every m in [first, last] keeps both sides <= best_s (and within memory): all are optimal.
-    first = max(lo, chain._back(c, best_s))
-    last = min(hi, chain._reach(a, best_s))
+    first = max(lo, chain.back(c, best_s))
+    last = min(hi, chain.reach(a, best_s))
     return min(max(b, first), last)
 
 
 def _start(
     values: list[float],
     num_stages: int,
-    chain: Chain,
     mem: tuple[list[float], float] | None,
     current: Sequence[int] | None,
 ) -> list[int]:
@@ -119,10 +118,10 @@ def _run(
     capacity: float | None,
     max_rounds: int | None,
 ) -> tuple[list[list[int]], Chain]:
-    values, chain, mem = checked_chain(costs, num_stages, memory, capacity)
+    values, num_stages, chain, mem = checked_chain(costs, num_stages, memory, capacity)
     if max_rounds is not None and max_rounds < 0:
         raise ValueError(f"max_rounds={max_rounds} must be >= 0 (or None for no cap)")
-    parts = _start(values, num_stages, chain, mem, current)
+    parts = _start(values, num_stages, mem, current)
     trace = [parts.copy()]
     rounds = 0
     while max_rounds is None or rounds < max_rounds:

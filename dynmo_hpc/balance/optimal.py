@@ -15,17 +15,18 @@ How (exact, no tolerance):
    drops to the bottleneck the probe actually achieved (a real stage load, ``<= mid``). On
    failure, ``lo`` jumps to the smallest bound at which any greedy stage could grow (a real stage
    load, ``> mid``): every bound below it fails the same way. Both ends move strictly on every
-   probe and both are stage loads, so the loop ends with ``lo == hi == B*`` exactly, in a few
-   dozen probes of O(P log N) each (bisect on prefix sums). This is the parametric search of
-   Pinar & Aykanat (JPDC 2004) with the bisection bracket snapped to realisable values.
+   probe and both are stage loads, so the loop ends with ``lo == hi == B*`` exactly. Without a
+   capacity the bracket starts within a factor 2 and at least halves per probe, so it takes at
+   most ~55 probes (4-12 in the benchmark) of O(P log N) each (bisect on prefix sums). This is
+   the parametric search of Pinar & Aykanat (JPDC 2004) with the bracket snapped to realisable
+   values.
 3. **Construction with a tie-break.** Many partitions usually reach ``B*``. Boundary ``p`` may lie
    anywhere between the right-to-left greedy's start of stage ``p`` (``lo_p``, the leftmost
    position that still lets the suffix fit) and the left-to-right greedy's reach from the previous
-   boundary (``hi_p``). Without ``current`` we take ``hi_p``: the deterministic left-greedy answer
-   (what DeepSpeed's test cases expect), holding one layer back for each later stage so none is
-   empty. With ``current`` we take the position nearest ``current[p]``, so a rebalance moves as
-   few layers as this left-to-right rule can manage, and an already optimal ``current`` comes back
-   unchanged.
+   boundary (``hi_p``). Without ``current`` we take ``hi_p``: the lexicographically largest
+   optimal partition (what DeepSpeed's test cases expect), holding one layer back for each later
+   stage so none is empty. With ``current`` we take the position nearest ``current[p]``, so a
+   rebalance moves few layers, and an already optimal ``current`` comes back unchanged.
 
 Optimality certificate (used by the tests): the probe succeeds at ``B*`` and fails at the largest
 stage load below ``B*``.
@@ -130,12 +131,12 @@ class Chain:
         lowest = [0] * (num_stages + 1)
         end = n
         for p in range(num_stages - 1, 0, -1):
-            end = self._back(end, bound_s)
+            end = self.back(end, bound_s)
             lowest[p] = end
         parts = [0]
         for p in range(1, num_stages):
             prev = parts[-1]
-            highest = min(self._reach(prev, bound_s), n - (num_stages - p))
+            highest = min(self.reach(prev, bound_s), n - (num_stages - p))
             low = max(lowest[p], prev + 1)
             want = highest if target is None else target[p]
             parts.append(min(max(want, low), highest))
@@ -144,7 +145,7 @@ class Chain:
             raise RuntimeError(f"internal error: built {parts} exceeds bound {bound_s!r}")
         return parts
 
-    def _reach(self, start: int, bound_s: float) -> int:
+    def reach(self, start: int, bound_s: float) -> int:
         prefix, n = self.prefix, self.num_layers
         base = prefix[start]
         end = bisect_right(prefix, base + bound_s, start) - 1
@@ -154,7 +155,7 @@ class Chain:
             end -= 1
         return end if self.mem_reach is None else min(end, self.mem_reach[start])
 
-    def _back(self, end: int, bound_s: float) -> int:
+    def back(self, end: int, bound_s: float) -> int:
         prefix = self.prefix
         top = prefix[end]
         start = bisect_left(prefix, top - bound_s, 0, end)
@@ -197,8 +198,7 @@ def min_capacity(memory: CostsLike, num_stages: int) -> float:
     fit?".
     """
     mem = check_values(memory, "memory")
-    check_num_stages(num_stages, len(mem))
-    return Chain(mem, None).solve(num_stages)
+    return Chain(mem, None).solve(check_num_stages(num_stages, len(mem)))
 
 
 def checked_chain(
@@ -206,13 +206,13 @@ def checked_chain(
     num_stages: int,
     memory: CostsLike | None,
     capacity: float | None,
-) -> tuple[list[float], Chain, tuple[list[float], float] | None]:
-    """Validated costs, their :class:`Chain`, and the memory pair; ValueError if nothing fits.
+) -> tuple[list[float], int, Chain, tuple[list[float], float] | None]:
+    """Validated costs, stage count, :class:`Chain` and memory pair; ValueError if nothing fits.
 
     The capacity check names the minimum capacity that would work, so the fix is one edit.
     """
     values = check_values(costs)
-    check_num_stages(num_stages, len(values))
+    num_stages = check_num_stages(num_stages, len(values))
     mem = memory_values(memory, capacity, len(values))
     if mem is not None:
         needed = Chain(mem[0], None).solve(num_stages)
@@ -222,7 +222,7 @@ def checked_chain(
                 f"{num_stages} stages need at least {needed:.6g} bytes per stage (largest layer "
                 f"{max(mem[0]):.6g}); raise the capacity to >= {needed:.6g} or use more stages"
             )
-    return values, Chain(values, mem), mem
+    return values, num_stages, Chain(values, mem), mem
 
 
 def optimal_bottleneck(
@@ -233,7 +233,7 @@ def optimal_bottleneck(
     capacity: float | None = None,
 ) -> float:
     """The minimum over contiguous partitions of the heaviest stage's load (seconds per step)."""
-    _, chain, _ = checked_chain(costs, num_stages, memory, capacity)
+    _, num_stages, chain, _ = checked_chain(costs, num_stages, memory, capacity)
     return chain.solve(num_stages)
 
 
@@ -260,7 +260,7 @@ def optimal(
 
     Example: ``optimal([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]`` (every stage costs 3).
     """
-    values, chain, mem = checked_chain(costs, num_stages, memory, capacity)
+    values, num_stages, chain, mem = checked_chain(costs, num_stages, memory, capacity)
     best_s = chain.solve(num_stages)
     target = None
     if current is not None:

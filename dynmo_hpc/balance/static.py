@@ -22,7 +22,7 @@ def uniform(costs: CostsLike, num_stages: int) -> list[int]:
     Example: ``uniform([1.0] * 10, 4) == [0, 2, 5, 7, 10]``.
     """
     num_layers = len(check_values(costs))
-    check_num_stages(num_stages, num_layers)
+    num_stages = check_num_stages(num_stages, num_layers)
     return [p * num_layers // num_stages for p in range(num_stages + 1)]
 
 
@@ -51,6 +51,6 @@ def parameters(
         raise ValueError(
             f"params has {len(counts)} entries but costs has {num_layers}; pass one count per layer"
         )
-    check_num_stages(num_stages, num_layers)
+    num_stages = check_num_stages(num_stages, num_layers)
     chain = Chain(counts, None)
     return chain.build(chain.solve(num_stages), num_stages, None)

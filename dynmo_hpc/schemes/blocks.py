@@ -1,0 +1,134 @@
+"""The transformer block the dynamic schemes plug into, and its prunable, sparsifiable attention.
+
+Why one block class for every scheme: the schemes touch different parts of a block (the
+feed-forward for MoE, the attention for sparse attention and head pruning, the set of tokens for
+MoD and early exit), and a block may carry several of them at once (MoE experts that are pruned,
+a frozen MoD block). :class:`SchemeBlock` keeps the base ``Block``'s parameter names and
+registration order (``ln_1``, ``attn.c_attn``, ``attn.c_proj``, ``ln_2``, ``mlp...``) and adds the
+scheme modules after them, so ``model.init_layer_`` initialises it deterministically from
+``(seed, index)`` on any rank. With no scheme attached it computes bit-for-bit what ``Block``
+computes (a test checks it).
+
+Every piece of scheme state (expert routers, MoD routers, exit heads, the kept heads, the
+attention density) is a submodule, buffer or attribute of the block, so it travels when the
+block migrates.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelSection
+from ..model import Block, MicrobatchContext, Payload
+from . import sparse_attention
+
+if TYPE_CHECKING:
+    from .early_exit import ExitHead
+    from .mod import DepthRouter
+    from .moe import MoEFeedForward
+
+
+class SchemeAttention(nn.Module):
+    """Causal self-attention with a variable number of heads and optional block sparsity.
+
+    The parameters are laid out as in ``model.CausalSelfAttention`` (``c_attn`` holds the query,
+    key and value rows of every head, ``c_proj`` maps the heads back to ``d_model``), but the
+    head count may shrink: structural pruning removes a head's rows from ``c_attn`` and its
+    columns from ``c_proj``, so the matrices really get smaller. ``head_size`` never changes.
+    """
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.head_size = d_model // num_heads
+        self.num_heads = num_heads
+        """Heads still present (shrinks when heads are pruned)."""
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.sparse_block_size: int | None = None
+        """Tokens per block when attention is block-sparse; None = dense causal attention."""
+        self.register_buffer("density", torch.tensor(1.0, dtype=torch.float64))
+        """Fraction of causal key blocks each query block keeps (set by the controller)."""
+        self.stats: dict[str, float] = {}
+        """Kept and causal key blocks since the last report (for the run log)."""
+
+    @property
+    def inner_dim(self) -> int:
+        """Width of the concatenated heads: num_heads * head_size."""
+        return self.num_heads * self.head_size
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, C) -> q, k, v, each (B, nh, T, hs)."""
+        B, T, _ = x.shape
+        nh, hs = self.num_heads, self.head_size
+        q, k, v = self.c_attn(x).split(self.inner_dim, dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        return q, k, v
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        if self.sparse_block_size is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:
+            y, kept, causal = sparse_attention.block_sparse_attention(
+                q, k, v, self.sparse_block_size, float(self.density)
+            )
+            self.stats["kept_blocks"] = self.stats.get("kept_blocks", 0.0) + kept
+            self.stats["causal_blocks"] = self.stats.get("causal_blocks", 0.0) + causal
+        y = y.transpose(1, 2).contiguous().view(B, T, self.inner_dim)  # (B, T, nh * hs)
+        return self.c_proj(y)
+
+
+class SchemeBlock(Block):
+    """A pre-norm block whose feed-forward, attention and token set the schemes may change.
+
+    Attributes the builders set (all default to the plain block):
+
+    * ``mlp``: an ``MLP`` or a :class:`~.moe.MoEFeedForward`;
+    * ``attn.sparse_block_size`` / ``attn.density``: block-sparse attention;
+    * ``depth_router``: a :class:`~.mod.DepthRouter` (Mixture of Depths);
+    * ``exit_head``: an :class:`~.early_exit.ExitHead`;
+    * ``early_exit_model``: True in a model with early exit: the block processes only the tokens
+      still active (``x["active"]``), with or without an exit head of its own.
+    """
+
+    def __init__(self, cfg: ModelSection, d_ff: int) -> None:
+        super().__init__(cfg, d_ff)
+        self.attn: SchemeAttention = SchemeAttention(cfg.d_model, cfg.num_heads)
+        self.depth_router: DepthRouter | None = None
+        self.exit_head: ExitHead | None = None
+        self.early_exit_model = False
+        self.token_stats: dict[str, float] = {}
+        """Tokens seen and tokens computed since the last report (early-exit models)."""
+
+    def feed_forward(self, x: Tensor, ctx: MicrobatchContext) -> Tensor:
+        """The block's feed-forward on (..., C); an MoE appends its balancing loss to ``ctx``."""
+        from .moe import MoEFeedForward
+
+        if isinstance(self.mlp, MoEFeedForward):
+            shape = x.shape
+            y, aux = self.mlp(x.reshape(-1, shape[-1]))  # (N, C)
+            ctx.aux_losses.append(aux)
+            return y.view(shape)
+        return self.mlp(x)
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        assert x is not None
+        if self.depth_router is not None:
+            from .mod import forward_routed
+
+            return forward_routed(self, x, ctx)
+        if self.early_exit_model:
+            from .early_exit import forward_active
+
+            return forward_active(self, x, ctx)
+        h = x["h"]  # (B, T, C)
+        h = h + self.attn(self.ln_1(h))
+        h = h + self.feed_forward(self.ln_2(h), ctx)
+        return {**x, "h": h}

@@ -1,0 +1,178 @@
+"""Early exit (CALM-style): a confident token leaves the network; later layers skip it.
+
+Mechanism: chosen blocks own a small exit head (LayerNorm + a d_model x vocab linear map). After
+such a block, the exit head predicts the next byte for every token still active; a token whose
+top softmax probability (CALM's "softmax response" confidence) is at least ``threshold`` exits.
+The decision is a deterministic function of the data, so the single-process reference and every
+pipeline partition make the same decisions.
+
+What later layers compute: the payload carries an ``active`` mask (B, T) and the exited tokens'
+hidden states unchanged. A later block gathers the active tokens (not a mask: the rows really go
+away) and runs on them only its query projection, attention, output projection, LayerNorms,
+feed-forward and exit head. Exited tokens still contribute keys and values, computed from their
+carried hidden state, so active tokens keep attending to them (CALM's hidden-state propagation);
+that projection (2 C^2 of a block's ~12 C^2 multiply-adds per token) is the only work a later
+block spends on an exited token. The head runs its LayerNorm and LM head on active tokens only.
+
+Loss (what ``ctx.loss``, the reported per-step loss, is): the mean over every token of the
+cross-entropy of the prediction the network actually makes for it: the exit head's logits at the
+layer where the token exited, or the final head's logits for tokens that never exited. The exit
+cross-entropy travels to the last stage in the payload (``exit_nll``, (B, T), zero for tokens
+that have not exited), with its gradient flowing back to the exit head and the layers below it.
+Training the exits: each exit head also adds ``exit_loss_weight`` x its mean cross-entropy over
+the tokens that reach it to the auxiliary losses (so exit heads learn before tokens use them).
+
+Why a head per exit layer rather than the final head shared across stages: the exit layers and
+the LM head live on different ranks, and a shared head would need its gradient all-reduced every
+step and its weights kept in sync through migrations. A per-layer head is owned by its block and
+travels with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import EarlyExitSection, ModelSection
+from ..model import Embedding, Head, MicrobatchContext, Payload
+
+if TYPE_CHECKING:
+    from .blocks import SchemeAttention, SchemeBlock
+
+
+def exit_layers(section: EarlyExitSection, num_layers: int) -> list[int]:
+    """Blocks with an exit head: the configured list, or every block but the last."""
+    return list(section.layers) if section.layers is not None else list(range(1, num_layers))
+
+
+def payload_spec(micro_batch_size: int, seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The payload keys early exit adds: the active mask and the exited tokens' losses."""
+    shape = (micro_batch_size, seq_len)
+    return {"active": (shape, torch.float32), "exit_nll": (shape, torch.float32)}
+
+
+class ExitHead(nn.Module):
+    """An exit block's own predictor and its exit rule."""
+
+    def __init__(self, cfg: ModelSection, section: EarlyExitSection) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.threshold = section.threshold
+        self.loss_weight = section.exit_loss_weight
+        self.register_buffer("enabled", torch.tensor(section.start_step == 0))
+        """Whether tokens may exit yet (the controller switches it on at start_step)."""
+        self.stats: dict[str, float] = {}
+        """Tokens reaching this exit and tokens exiting here since the last report."""
+
+    def decide(
+        self,
+        h_act: Tensor,
+        b_idx: Tensor,
+        t_idx: Tensor,
+        active: Tensor,
+        exit_nll: Tensor,
+        ctx: MicrobatchContext,
+    ) -> Payload:
+        """Predict for the active tokens (N, C); returns the updated ``active``/``exit_nll``."""
+        logits = self.proj(self.ln(h_act))  # (N, V)
+        ce = F.cross_entropy(logits, ctx.targets[b_idx, t_idx], reduction="none")  # (N,)
+        ctx.aux_losses.append(self.loss_weight * ce.mean())
+        self.stats["reached"] = self.stats.get("reached", 0.0) + float(b_idx.numel())
+        if not bool(self.enabled):
+            return {}
+        with torch.no_grad():
+            leaving = F.softmax(logits, dim=-1).amax(-1) >= self.threshold  # (N,)
+        lb, lt = b_idx[leaving], t_idx[leaving]
+        self.stats["exited"] = self.stats.get("exited", 0.0) + float(lb.numel())
+        active = active.clone()
+        active[lb, lt] = False
+        return {
+            "active": active.to(torch.float32),
+            "exit_nll": exit_nll.index_put((lb, lt), ce[leaving]),
+        }
+
+
+def attend_active(
+    attn: SchemeAttention, hn: Tensor, active: Tensor, b_idx: Tensor, t_idx: Tensor
+) -> Tensor:
+    """Attention output (N, C) for the active tokens only; keys/values come from all tokens.
+
+    hn: (B, T, C) the block's normed input; active: (B, T) bool; (b_idx, t_idx): the N active
+    positions in row-major order. Queries are packed per sequence into (B, Qmax) slots, with
+    Qmax the most active tokens in any sequence; padded slots are computed and discarded.
+    """
+    B, T, _ = hn.shape
+    nh, hs, inner = attn.num_heads, attn.head_size, attn.inner_dim
+    w_q, w_k, w_v = attn.c_attn.weight.split(inner, dim=0)
+    b_q, b_k, b_v = attn.c_attn.bias.split(inner, dim=0)
+    k = F.linear(hn, w_k, b_k).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    v = F.linear(hn, w_v, b_v).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+    slot = (active.long().cumsum(1) - 1)[b_idx, t_idx]  # (N,) rank within its sequence
+    q_max = int(active.sum(1).max())
+    q_act = F.linear(hn[b_idx, t_idx], w_q, b_q)  # (N, nh * hs)
+    q = hn.new_zeros(B, q_max, inner).index_put((b_idx, slot), q_act)  # (B, Qmax, nh * hs)
+    q = q.view(B, q_max, nh, hs).transpose(1, 2)  # (B, nh, Qmax, hs)
+    pos = torch.full((B, q_max), -1, dtype=torch.long, device=hn.device)
+    pos = pos.index_put((b_idx, slot), t_idx)  # (B, Qmax), -1 = padding
+    keys = torch.arange(T, device=hn.device)
+    allowed = keys[None, None, :] <= pos[:, :, None]  # (B, Qmax, T) causal by position
+    allowed = allowed | ((pos < 0)[:, :, None] & (keys == 0))  # padding sees key 0, no NaN
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])  # (B, nh, Qmax, hs)
+    y = y.transpose(1, 2).reshape(B, q_max, inner)[b_idx, slot]  # (N, nh * hs)
+    return attn.c_proj(y)  # (N, C)
+
+
+def forward_active(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Payload:
+    """A block of an early-exit model: it computes the active tokens only."""
+    h = x["h"]  # (B, T, C)
+    B, T, C = h.shape
+    active = x["active"].detach() > 0.5  # (B, T)
+    out = {**x, "active": x["active"].detach()}
+    num_active = int(active.sum())
+    stats = block.token_stats
+    stats["tokens"] = stats.get("tokens", 0.0) + float(B * T)
+    stats["processed"] = stats.get("processed", 0.0) + float(num_active)
+    if num_active == 0:
+        return out  # every token has exited: nothing to compute
+    b_idx, t_idx = active.nonzero(as_tuple=True)  # (N,), (N,) row-major
+    if num_active == B * T:
+        h = h + block.attn(block.ln_1(h))
+        h = h + block.feed_forward(block.ln_2(h), ctx)
+        h_act = h.reshape(B * T, C)  # (N, C)
+        out["h"] = h
+    else:
+        h_act = h[b_idx, t_idx] + attend_active(block.attn, block.ln_1(h), active, b_idx, t_idx)
+        h_act = h_act + block.feed_forward(block.ln_2(h_act), ctx)  # (N, C)
+        out["h"] = h.index_put((b_idx, t_idx), h_act)
+    if block.exit_head is not None:
+        out.update(block.exit_head.decide(h_act, b_idx, t_idx, active, x["exit_nll"], ctx))
+    return out
+
+
+class EarlyExitEmbedding(Embedding):
+    """Layer 0 of an early-exit model: every token starts active with no exit loss."""
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        h = super().forward(x, ctx)["h"]  # (B, T, C)
+        B, T, _ = h.shape
+        return {"h": h, "active": h.new_ones(B, T), "exit_nll": h.new_zeros(B, T)}
+
+
+class EarlyExitHead(Head):
+    """The last layer of an early-exit model: LM loss over every token, exited or not.
+
+    ``ctx.loss = (sum of final-head cross-entropy over active tokens + sum of exit_nll) / (B*T)``;
+    the final LayerNorm and LM head run on the active tokens only.
+    """
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        assert x is not None
+        active = x["active"].detach() > 0.5  # (B, T)
+        logits = self.lm_head(self.ln_f(x["h"][active]))  # (N, V)
+        ce_sum = F.cross_entropy(logits, ctx.targets[active], reduction="sum")
+        ctx.loss = (ce_sum + x["exit_nll"].sum()) / active.numel()
+        return {}
