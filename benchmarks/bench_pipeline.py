@@ -36,7 +36,9 @@ from dynmo_hpc.schedule import theoretical_bubble_fraction  # noqa: E402
 WARMUP_STEPS = 2
 
 
-def bench_config(out_dir: Path, steps: int, num_microbatches: int, name: str) -> config_mod.JobConfig:
+def bench_config(
+    out_dir: Path, steps: int, num_microbatches: int, name: str
+) -> config_mod.JobConfig:
     return config_mod.load(
         ROOT / "jobs" / "default.yaml",
         [
@@ -85,8 +87,12 @@ def run_torch(cfg: config_mod.JobConfig) -> float:
         LaunchSpec(
             num_ranks=2,
             rank_argv=[
-                sys.executable, "-m", "mpi4py",
-                str(ROOT / "benchmarks" / "torch_pipelining_rank.py"), str(config_path), str(out),
+                sys.executable,
+                "-m",
+                "mpi4py",
+                str(ROOT / "benchmarks" / "torch_pipelining_rank.py"),
+                str(config_path),
+                str(out),
             ],
         )
     )
@@ -120,18 +126,26 @@ def main() -> None:
                 print(f"round {rnd + 1}/{args.rounds}: {name} done", file=sys.stderr, flush=True)
     med = statistics.median
     p, m = 2, args.microbatches
-    print(f"model: 10 layers (embedding, 8 blocks d_model=128, head), split [0,5,10], "
-          f"M={m} microbatches of 4 x 64 tokens, {args.rounds} rounds, medians")
+    print(
+        f"model: 10 layers (embedding, 8 blocks d_model=128, head), split [0,5,10], "
+        f"M={m} microbatches of 4 x 64 tokens, {args.rounds} rounds, medians"
+    )
     print(f"{'configuration':<38}{'tokens/s':>10}")
     print(f"{'single process (1 rank)':<38}{med(single):>10.0f}")
     print(f"{'dynmo_hpc 1F1B (2 ranks)':<38}{med(ours):>10.0f}")
     print(f"{'torch.distributed.pipelining 1F1B (2)':<38}{med(torch_pp):>10.0f}")
     print(f"ours / single process: {med(ours) / med(single):.2f}x  (target >= 1.7x)")
     print(f"ours / torch pipelining: {med(ours) / med(torch_pp):.2f}x  (target >= 1.0x)")
-    print(f"bubble fraction: measured {med(bubbles):.3f}, theoretical (P-1)/(M+P-1) = "
-          f"{theoretical_bubble_fraction(p, m):.3f}")
-    print("per round (single, ours, torch): " + "; ".join(
-        f"{a:.0f}, {b:.0f}, {c:.0f}" for a, b, c in zip(single, ours, torch_pp, strict=True)))
+    print(
+        f"bubble fraction: measured {med(bubbles):.3f}, theoretical (P-1)/(M+P-1) = "
+        f"{theoretical_bubble_fraction(p, m):.3f}"
+    )
+    print(
+        "per round (single, ours, torch): "
+        + "; ".join(
+            f"{a:.0f}, {b:.0f}, {c:.0f}" for a, b, c in zip(single, ours, torch_pp, strict=True)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -91,7 +91,9 @@ def main() -> None:
             set_lr(opt, lr_at(step, cfg.train))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        loss = comm.bcast(float(torch.stack(step_losses).detach().mean()) if step_losses else None, root=size - 1)
+        loss = comm.bcast(
+            float(torch.stack(step_losses).detach().mean()) if step_losses else None, root=size - 1
+        )
         step_time_s = time.perf_counter() - t0
         tokens_per_s.append(cfg.tokens_per_step / step_time_s)
         losses.append(loss)

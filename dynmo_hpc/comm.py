@@ -47,9 +47,7 @@ class StageLink:
     ranks are matched by tag, so out-of-order microbatches (1F1B) never mix.
     """
 
-    def __init__(
-        self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device
-    ) -> None:
+    def __init__(self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device) -> None:
         self.comm = comm
         self.stage = stage
         self.num_stages = num_stages
@@ -76,7 +74,9 @@ class StageLink:
         requests = []
         for i, (name, (shape, dtype)) in enumerate(spec.items()):
             buf = torch.empty(shape, dtype=dtype)
-            requests.append(self.comm.Irecv(buf, source=src, tag=self._tag(microbatch, direction, i)))
+            requests.append(
+                self.comm.Irecv(buf, source=src, tag=self._tag(microbatch, direction, i))
+            )
             buffers[name] = buf
         self.idle_s += wait_quietly(requests)
         if self.device.type != "cpu":

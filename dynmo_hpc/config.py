@@ -382,9 +382,7 @@ class SparseAttentionSection:
             raise ConfigError(f"schemes.sparse_attention.block_size={self.block_size} must be >= 1")
         densities = [self.density, *(self.layer_density or [])]
         if any(not 0.0 < d <= 1.0 for d in densities):
-            raise ConfigError(
-                f"schemes.sparse_attention densities {densities} must be in (0, 1]"
-            )
+            raise ConfigError(f"schemes.sparse_attention densities {densities} must be in (0, 1]")
         if self.drift_factor <= 0 or not 0 <= self.drift_start_step <= self.drift_end_step:
             raise ConfigError(
                 f"schemes.sparse_attention.drift_factor={self.drift_factor}, drift_start_step="
@@ -599,9 +597,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         )
     if origin is Literal:
         if value not in args:
-            raise ConfigError(
-                f"{source}: {key}={value!r} is not valid; choose one of {list(args)}"
-            )
+            raise ConfigError(f"{source}: {key}={value!r} is not valid; choose one of {list(args)}")
         return value
     if origin is list:
         if not isinstance(value, list):

@@ -75,7 +75,9 @@ def _detach_inputs(x: Payload | None, needs_grad: bool) -> Payload | None:
     """Cut autograd at a layer boundary; the input is a leaf that collects its gradient."""
     if x is None:
         return None
-    return {k: v.detach().requires_grad_(needs_grad and v.is_floating_point()) for k, v in x.items()}
+    return {
+        k: v.detach().requires_grad_(needs_grad and v.is_floating_point()) for k, v in x.items()
+    }
 
 
 class PipelineStage:
@@ -138,9 +140,7 @@ class PipelineStage:
         tokens, targets = self.dataset.batch(
             self.cfg.job.seed, step, microbatch, self.cfg.train.micro_batch_size
         )
-        return MicrobatchContext(
-            tokens=tokens.to(self.device), targets=targets.to(self.device)
-        )
+        return MicrobatchContext(tokens=tokens.to(self.device), targets=targets.to(self.device))
 
     def _forward(self, step: int, mb: int, stats: StepStats) -> _Saved:
         x = self.link.recv_forward(mb, self.spec)

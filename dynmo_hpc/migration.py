@@ -125,7 +125,10 @@ def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> Migra
     wait_quietly([comm.Irecv(sizes[m.layer], source=m.src, tag=2 * m.layer) for m in incoming])
     bodies = {m.layer: np.empty(int(sizes[m.layer][0]), dtype=np.uint8) for m in incoming}
     wait_quietly(
-        [comm.Irecv([bodies[m.layer], MPI.BYTE], source=m.src, tag=2 * m.layer + 1) for m in incoming]
+        [
+            comm.Irecv([bodies[m.layer], MPI.BYTE], source=m.src, tag=2 * m.layer + 1)
+            for m in incoming
+        ]
     )
     arrived = [unpack_layer(stage, bodies[m.layer].tobytes(), m.layer) for m in incoming]
     wait_quietly(send_requests)

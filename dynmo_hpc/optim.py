@@ -35,9 +35,7 @@ def build_optimizer(module: nn.Module, train: TrainSection) -> torch.optim.AdamW
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=False
-    )
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=False)
 
 
 def squared_grad_norm(module: nn.Module) -> float:

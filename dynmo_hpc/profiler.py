@@ -58,5 +58,7 @@ class CostTracker:
             self.costs_s = latest
         else:
             a = self.smoothing
-            self.costs_s = [a * new + (1 - a) * old for new, old in zip(latest, self.costs_s, strict=True)]
+            self.costs_s = [
+                a * new + (1 - a) * old for new, old in zip(latest, self.costs_s, strict=True)
+            ]
         return list(self.costs_s)

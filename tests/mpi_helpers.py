@@ -34,10 +34,10 @@ TINY = [
 ]
 
 
-def tiny_config(tmp_path: Path, *overrides: str, job: str = "jobs/default.yaml") -> config_mod.JobConfig:
-    return config_mod.load(
-        ROOT / job, [*TINY, f"job.out_dir={tmp_path}", *overrides]
-    )
+def tiny_config(
+    tmp_path: Path, *overrides: str, job: str = "jobs/default.yaml"
+) -> config_mod.JobConfig:
+    return config_mod.load(ROOT / job, [*TINY, f"job.out_dir={tmp_path}", *overrides])
 
 
 def run_job(cfg: config_mod.JobConfig, timeout_s: float = 180.0) -> dict[str, Any]:

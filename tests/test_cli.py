@@ -47,7 +47,9 @@ def test_missing_mpiexec(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_run_end_to_end_writes_run_dir(tmp_path):
-    sets = [a for o in [*TINY, f"job.out_dir={tmp_path}", "train.checkpoint=true"] for a in ("--set", o)]
+    sets = [
+        a for o in [*TINY, f"job.out_dir={tmp_path}", "train.checkpoint=true"] for a in ("--set", o)
+    ]
     out = dynmo("run", "jobs/default.yaml", *sets)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "default"
@@ -63,8 +65,14 @@ def test_run_end_to_end_writes_run_dir(tmp_path):
 def test_failure_on_one_rank_aborts_the_job_quickly(tmp_path):
     sets = [
         a
-        for o in [*TINY, f"job.out_dir={tmp_path}", "pipeline.num_stages=4", "train.steps=50",
-                  "runtime.fail_at_step=2", "runtime.fail_rank=2"]
+        for o in [
+            *TINY,
+            f"job.out_dir={tmp_path}",
+            "pipeline.num_stages=4",
+            "train.steps=50",
+            "runtime.fail_at_step=2",
+            "runtime.fail_rank=2",
+        ]
         for a in ("--set", o)
     ]
     t0 = time.perf_counter()

@@ -146,6 +146,7 @@ class Chain:
         return parts
 
     def reach(self, start: int, bound_s: float) -> int:
+        """Largest ``end`` with stage ``[start, end)`` within ``bound_s`` and the capacity."""
         prefix, n = self.prefix, self.num_layers
         base = prefix[start]
         end = bisect_right(prefix, base + bound_s, start) - 1
@@ -156,6 +157,7 @@ class Chain:
         return end if self.mem_reach is None else min(end, self.mem_reach[start])
 
     def back(self, end: int, bound_s: float) -> int:
+        """Smallest ``start`` with stage ``[start, end)`` within ``bound_s`` and the capacity."""
         prefix = self.prefix
         top = prefix[end]
         start = bisect_left(prefix, top - bound_s, 0, end)

@@ -29,7 +29,6 @@ from . import sparse_attention
 if TYPE_CHECKING:
     from .early_exit import ExitHead
     from .mod import DepthRouter
-    from .moe import MoEFeedForward
 
 
 class SchemeAttention(nn.Module):

@@ -48,7 +48,9 @@ def exit_layers(section: EarlyExitSection, num_layers: int) -> list[int]:
     return list(section.layers) if section.layers is not None else list(range(1, num_layers))
 
 
-def payload_spec(micro_batch_size: int, seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def payload_spec(
+    micro_batch_size: int, seq_len: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The payload keys early exit adds: the active mask and the exited tokens' losses."""
     shape = (micro_batch_size, seq_len)
     return {"active": (shape, torch.float32), "exit_nll": (shape, torch.float32)}

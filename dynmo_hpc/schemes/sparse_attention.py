@@ -47,7 +47,9 @@ def blocks_kept_per_row(num_blocks: int, density: float) -> list[int]:
     return [max(1, min(i + 1, math.ceil(density * (i + 1) - 1e-9))) for i in range(num_blocks)]
 
 
-def select_key_blocks(q: Tensor, k: Tensor, block_size: int, density: float) -> tuple[Tensor, Tensor]:
+def select_key_blocks(
+    q: Tensor, k: Tensor, block_size: int, density: float
+) -> tuple[Tensor, Tensor]:
     """Choose the kept (query block, key block) pairs from pooled scores.
 
     Returns ``q_block`` (P,) int64, the query block of each pair (the same for every batch row
