@@ -324,6 +324,7 @@ cmd_up() {
     log "already up ($NUM_NODES nodes); source $DIR/env.sh"
     return 0
   fi
+  [ "$(id -u)" -eq 0 ] || die "the test cluster runs its daemons as root" "run as root"
   mkdir -p "$DIR/log"
   exec 9>"$DIR/.lock"
   flock -w 300 9 || die "another 'up' or 'down' holds $DIR/.lock" "wait, or remove a stale lock"
@@ -331,7 +332,6 @@ cmd_up() {
     log "already up (started by a concurrent call)"
     return 0
   fi
-  [ "$(id -u)" -eq 0 ] || die "the test cluster runs its daemons as root" "run as root"
   install_packages
   # A half-running cluster (a daemon died) is restarted whole: cheaper than diagnosing it.
   if [ -n "$(running_pids)" ]; then
@@ -386,16 +386,19 @@ wait_pids_gone() { # timeout_s pids...
 stop_daemons() {
   local pids
   if pid_alive "$DIR/run/slurmctld.pid" slurmctld; then
-    timeout 10 scancel --quiet --full --user=root 2>/dev/null || true
-    timeout 10 scancel --quiet --full 2>/dev/null || true
-    # Give jobs' steps KillWait to end before their slurmd goes.
-    local deadline=$(($(date +%s) + 8))
-    while [ -n "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && [ "$(date +%s)" -lt "$deadline" ]; do
-      sleep 0.3
-    done
-    log "jobs gone"
+    local ids deadline
+    ids=$(timeout 5 squeue -h -o %i 2>/dev/null || true)
+    if [ -n "$ids" ]; then
+      # shellcheck disable=SC2086 # one argument per job id
+      timeout 10 scancel --quiet --full $ids 2>/dev/null || true
+      # Give the jobs' steps KillWait to end before their slurmd goes.
+      deadline=$(($(date +%s) + 8))
+      while [ -n "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && [ "$(date +%s)" -lt "$deadline" ]; do
+        sleep 0.3
+      done
+      log "cancelled jobs: $(echo $ids)"
+    fi
     timeout 10 scontrol shutdown >/dev/null 2>&1 || true
-    log "shutdown sent"
   fi
   # slurm daemons first, then the accounting chain, then munge (everyone authenticates with it).
   local f c group

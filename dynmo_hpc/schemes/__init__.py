@@ -88,8 +88,8 @@ def _build_scheme_block(cfg: JobConfig, index: int) -> SchemeBlock:
     density = sparse_base_density(cfg, index)
     if density is not None:
         assert schemes.sparse_attention is not None
-        block.attn.sparse_block_size = schemes.sparse_attention.block_size
-        block.attn.density.fill_(sparse_attention.density_at(schemes.sparse_attention, density, 0))
+        section = schemes.sparse_attention
+        block.attn.make_sparse(section.block_size, sparse_attention.density_at(section, density, 0))
     if schemes.mod is not None:
         routed = _selected(schemes.mod.layers, every_other_block(model.num_layers))
         if index in routed:
@@ -164,10 +164,12 @@ def _collect_stats(slot: Slot, cfg: JobConfig) -> dict[str, float]:
     if cfg.schemes.pruning is not None:
         for kind, value in pruning.layer_sparsity(slot.module, cfg, slot.index).items():
             out[f"sparsity.{kind}"] = value
-    if isinstance(slot.module, SchemeBlock) and isinstance(slot.module.attn, SchemeAttention):
-        out["attn.num_heads"] = float(slot.module.attn.num_heads)
-        if slot.module.attn.sparse_block_size is not None:
-            out["attn.density"] = float(slot.module.attn.density)
+    attn = getattr(slot.module, "attn", None)
+    if isinstance(attn, SchemeAttention):
+        if cfg.schemes.pruning is not None:
+            out["attn.num_heads"] = float(attn.num_heads)
+        if attn.density is not None:
+            out["attn.density"] = float(attn.density)
     if cfg.schemes.freezing is not None:
         out["frozen"] = float(freezing.is_frozen(slot.module))
     return out
@@ -224,9 +226,10 @@ class SchemeController:
         if schemes.sparse_attention is not None:
             for slot in slots:
                 base = sparse_base_density(self.cfg, slot.index)
-                if base is not None and isinstance(slot.module, SchemeBlock):
+                attn = getattr(slot.module, "attn", None)
+                if base is not None and isinstance(attn, SchemeAttention) and attn.density is not None:
                     density = sparse_attention.density_at(schemes.sparse_attention, base, step + 1)
-                    slot.module.attn.density.fill_(density)
+                    attn.density.fill_(density)
         if schemes.early_exit is not None:
             enabled = step + 1 >= schemes.early_exit.start_step
             for slot in slots:

@@ -49,10 +49,17 @@ class SchemeAttention(nn.Module):
         self.c_proj = nn.Linear(d_model, d_model)
         self.sparse_block_size: int | None = None
         """Tokens per block when attention is block-sparse; None = dense causal attention."""
-        self.register_buffer("density", torch.tensor(1.0, dtype=torch.float64))
-        """Fraction of causal key blocks each query block keeps (set by the controller)."""
+        self.density: Tensor | None
+        self.register_buffer("density", None)  # not in the state dict until make_sparse
+        """Block-sparse only: fraction of causal key blocks each query block keeps (a buffer,
+        rewritten by the controller at every step end)."""
         self.stats: dict[str, float] = {}
         """Kept and causal key blocks since the last report (for the run log)."""
+
+    def make_sparse(self, block_size: int, density: float) -> None:
+        """Switch to dynamic block-sparse attention (see :mod:`.sparse_attention`)."""
+        self.sparse_block_size = block_size
+        self.register_buffer("density", torch.tensor(density, dtype=torch.float64))
 
     @property
     def inner_dim(self) -> int:
@@ -72,7 +79,7 @@ class SchemeAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
-        if self.sparse_block_size is None:
+        if self.sparse_block_size is None or self.density is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:
             y, kept, causal = sparse_attention.block_sparse_attention(
@@ -90,7 +97,7 @@ class SchemeBlock(Block):
     Attributes the builders set (all default to the plain block):
 
     * ``mlp``: an ``MLP`` or a :class:`~.moe.MoEFeedForward`;
-    * ``attn.sparse_block_size`` / ``attn.density``: block-sparse attention;
+    * ``attn.make_sparse(...)``: dynamic block-sparse attention;
     * ``depth_router``: a :class:`~.mod.DepthRouter` (Mixture of Depths);
     * ``exit_head``: an :class:`~.early_exit.ExitHead`;
     * ``early_exit_model``: True in a model with early exit: the block processes only the tokens

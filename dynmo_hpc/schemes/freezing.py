@@ -37,7 +37,8 @@ from ..config import FreezingSection
 def attach(module: nn.Module) -> None:
     """Give a layer the freezing buffers (not frozen, no reference norm yet)."""
     module.register_buffer("frozen", torch.tensor(False))
-    module.register_buffer("frozen_ref_grad_norm", torch.tensor(math.nan, dtype=torch.float64))
+    # -1 = no reference yet (not NaN: checkpoints and state comparisons stay NaN-free)
+    module.register_buffer("frozen_ref_grad_norm", torch.tensor(-1.0, dtype=torch.float64))
 
 
 def is_frozen(module: nn.Module) -> bool:
@@ -87,8 +88,8 @@ def check_layer(
     """Update a layer's reference norm; returns (converged, relative change)."""
     norm = grad_norm_estimate(optimizer)
     previous = float(module.frozen_ref_grad_norm)
-    module.frozen_ref_grad_norm.fill_(norm)
-    if math.isnan(norm) or math.isnan(previous) or previous <= 0.0:
+    module.frozen_ref_grad_norm.fill_(-1.0 if math.isnan(norm) else norm)
+    if math.isnan(norm) or previous <= 0.0:
         return False, math.nan
     change = abs(norm - previous) / previous
     return change < threshold, change

@@ -1,0 +1,83 @@
+"""The run log of a real training run tells the same story as the run itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import pytest
+from mpi_helpers import ROOT, run_job, tiny_config
+
+from dynmo_hpc.cli import prepare_run_dir
+from dynmo_hpc.launcher import openmpi_env
+from dynmo_hpc.report import write_report
+from dynmo_hpc.runlog import load
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+def test_two_rank_run_log_matches_training(tmp_path):
+    cfg = tiny_config(tmp_path, "train.steps=6", "balance.interval=3", "pipeline.partition=[0, 2, 6]")
+    result = run_job(cfg)
+    log = load(cfg.run_dir / "run.h5")
+    assert log.end_status == "ok"
+    assert log.steps["step"].tolist() == list(range(6))
+    assert log.steps["loss"].tolist() == result["losses"]  # the values printed and returned
+    assert log.steps["tokens_per_s"].tolist() == pytest.approx(result["tokens_per_s"])
+    assert set(log.steps["num_stages"]) == {2} and set(log.steps["num_ranks"]) == {2}
+    assert len(log.stage_times) == 6 * 2
+    assert (log.stage_times["compute_s"] > 0).all()
+    assert log.report_steps() == [2, 5]
+    assert log.parts_at(2) == [0, 2, 6] and log.parts_at(5) == [0, 2, 6]
+    costs = log.layer_costs[log.layer_costs["step"] == 5].sort_values("layer")
+    assert costs["layer"].tolist() == list(range(6))
+    assert (costs["forward_s"] > 0).all() and (costs["backward_s"] > 0).all()
+    # AdamW: two moments per parameter, plus a step counter per tensor.
+    extra = costs["optim_bytes"] - 2 * costs["param_bytes"]
+    assert ((extra >= 0) & (extra < 1024)).all()
+    assert log.config["pipeline"]["num_stages"] == 2
+    assert log.attrs["schema_version"] >= 1
+
+    report = write_report(cfg.run_dir / "run.h5", tmp_path / "report")
+    assert len(report.png_paths) >= 5
+    assert all(os.path.getsize(p) > 1000 for p in report.png_paths.values())
+
+
+def test_sigkill_mid_training_leaves_a_readable_log(tmp_path):
+    cfg = tiny_config(
+        tmp_path, "train.steps=400", "balance.interval=1", "pipeline.num_stages=2", "job.name=killed"
+    )
+    config_path = prepare_run_dir(cfg)
+    h5 = cfg.run_dir / "run.h5"
+    proc = subprocess.Popen(
+        [str(ROOT / ".venv/bin/mpiexec") if (ROOT / ".venv/bin/mpiexec").exists() else "mpiexec",
+         "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dynmo_hpc.worker", str(config_path)],
+        env={**os.environ, **openmpi_env()},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        seen = 0
+        while time.time() < deadline and seen < 5:
+            time.sleep(0.5)
+            if h5.exists():
+                try:
+                    seen = len(load(h5).steps)  # reading while the run writes (SWMR)
+                except (OSError, KeyError):
+                    seen = 0
+        assert seen >= 5, "training did not get going"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    log = load(h5)
+    assert len(log.steps) >= 5
+    assert log.steps["step"].tolist() == list(range(len(log.steps)))
+    assert log.end_status is None  # never closed
+    with h5py.File(h5, "r", swmr=True) as f:
+        assert "config_yaml" in f.attrs
