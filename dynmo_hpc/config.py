@@ -472,12 +472,12 @@ class SchemesSection:
                     f"schemes.pruning.min_heads({self.pruning.min_heads}) > model.num_heads"
                     f"({model.num_heads}); lower min_heads"
                 )
-        if self.freezing is not None and self.freezing.max_frozen_layers is not None:
-            if self.freezing.max_frozen_layers > n + 1:
-                raise ConfigError(
-                    f"schemes.freezing.max_frozen_layers({self.freezing.max_frozen_layers}) > "
-                    f"model.num_layers + 1 ({n + 1}); the head never freezes"
-                )
+        max_frozen = self.freezing.max_frozen_layers if self.freezing is not None else None
+        if max_frozen is not None and max_frozen > n + 1:
+            raise ConfigError(
+                f"schemes.freezing.max_frozen_layers({max_frozen}) > "
+                f"model.num_layers + 1 ({n + 1}); the head never freezes"
+            )
         sa = self.sparse_attention
         if sa is not None:
             _check_block_layers("schemes.sparse_attention.layers", sa.layers, n)

@@ -16,10 +16,11 @@ the same non-spinning wait as the pipeline.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
+import pickle
 import time
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_TAGS_PER_LAYER = 4096
+"""Tag block per layer: header, pickle, then one tag per storage."""
+
+
+def wait_quietly_probe(comm: MPI.Comm, source: int, tag: int, status: MPI.Status) -> None:
+    """``Probe`` without spinning: poll ``Iprobe`` with short sleeps."""
+    sleep_s = 2e-5
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        time.sleep(sleep_s)
+        sleep_s = min(1e-3, sleep_s * 2)
+
 
 @dataclass(frozen=True)
 class MigrationStats:
@@ -46,42 +58,92 @@ class MigrationStats:
     seconds: float
 
 
-def tensor_checksums(module: torch.nn.Module, optimizer_state: dict[str, Any]) -> dict[str, str]:
-    """SHA-256 of every parameter, buffer and optimizer-state tensor, by name."""
+def tensor_checksums(module: torch.nn.Module, optimizer_state: dict[str, Any]) -> dict[str, int]:
+    """CRC-32 of every parameter, buffer and optimizer-state tensor, by name."""
     sums = {}
     for name, tensor in module.state_dict().items():
-        sums[f"module.{name}"] = _digest(tensor)
+        sums[f"module.{name}"] = _crc(tensor)
     for pid, state in optimizer_state.get("state", {}).items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                sums[f"optimizer.{pid}.{key}"] = _digest(value)
+                sums[f"optimizer.{pid}.{key}"] = _crc(value)
     return sums
 
 
-def _digest(tensor: torch.Tensor) -> str:
+def _crc(tensor: torch.Tensor) -> int:
     data = tensor.detach().cpu().contiguous().reshape(-1)
-    raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
-    return hashlib.sha256(str(data.dtype).encode() + raw).hexdigest()
+    raw = data.view(torch.uint8).numpy() if data.numel() else b""
+    return zlib.crc32(raw, zlib.crc32(str(data.dtype).encode()))
 
 
-def pack_layer(slot: LayerSlot) -> bytes:
-    """Serialise a layer: the module object (all scheme state) and its optimizer state."""
-    module = slot.module
+class _StoragePickler(pickle.Pickler):
+    """Pickles a layer's object graph but keeps tensor storages out of the byte stream.
+
+    Storages are collected (deduplicated) and sent as raw MPI buffers, so a migration moves
+    tensor data once, without serialising it into a byte string first.
+    """
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: list[torch.UntypedStorage] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, torch.uint8
+        else:
+            return None
+        key = untyped.data_ptr() if untyped.nbytes() else -1 - len(self.storages)
+        if key not in self._index:
+            self._index[key] = len(self.storages)
+            self.storages.append(untyped)
+        return ("storage", self._index[key], str(dtype).removeprefix("torch."))
+
+
+class _StorageUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, storages: list[torch.UntypedStorage]) -> None:
+        super().__init__(file)
+        self.storages = storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, index, dtype_name = pid
+        dtype = getattr(torch, dtype_name)
+        return torch.storage.TypedStorage(
+            wrap_storage=self.storages[index], dtype=dtype, _internal=True
+        )
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the storage's memory (what MPI sends, via DLPack)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def pack_layer(slot: LayerSlot) -> tuple[bytes, list[torch.Tensor]]:
+    """The layer's object graph (module with all scheme state, optimizer state, checksums) as a
+    small pickle, plus the raw tensor storages it refers to."""
+    module = slot.module.to("cpu")
     state = slot.optimizer.state_dict()
-    payload = {
-        "index": slot.index,
-        "module": module.to("cpu"),
-        "optimizer": state,
-        "checksums": tensor_checksums(module, state),
-    }
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return buffer.getvalue()
+    stream = io.BytesIO()
+    pickler = _StoragePickler(stream)
+    pickler.dump(
+        {
+            "index": slot.index,
+            "module": module,
+            "optimizer": state,
+            "checksums": tensor_checksums(module, state),
+        }
+    )
+    return stream.getvalue(), [_storage_bytes(s) for s in pickler.storages]
 
 
-def unpack_layer(stage: PipelineStage, data: bytes, index: int) -> LayerSlot:
+def unpack_layer(
+    stage: PipelineStage, meta: bytes, buffers: list[torch.Tensor], index: int
+) -> LayerSlot:
     """Rebuild a layer slot on the receiver and verify every tensor's checksum."""
-    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    storages = [b.untyped_storage() for b in buffers]
+    payload = _StorageUnpickler(io.BytesIO(meta), storages).load()
     if payload["index"] != index:
         raise RuntimeError(f"migration: expected layer {index}, received layer {payload['index']}")
     module, state = payload["module"], payload["optimizer"]
@@ -108,29 +170,41 @@ def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> Migra
     incoming = [m for m in moves if m.dst == rank]
     by_index = {slot.index: slot for slot in stage.slots}
 
-    # Post sends: a size header, then the bytes. Tags are the layer index (unique per move).
+    # Per move: a header (pickle length, storage sizes), the pickle, then each storage raw.
+    # Tags: 64 per layer index, so concurrent moves never match each other's messages.
     send_requests: list[Any] = []
-    keep_alive: list[np.ndarray] = []
+    keep_alive: list[Any] = []
     bytes_sent = 0
     for move in outgoing:
-        data = np.frombuffer(pack_layer(by_index[move.layer]), dtype=np.uint8)
-        size = np.array([data.size], dtype=np.int64)
-        keep_alive += [data, size]
-        send_requests.append(comm.Isend(size, dest=move.dst, tag=2 * move.layer))
-        send_requests.append(comm.Isend([data, MPI.BYTE], dest=move.dst, tag=2 * move.layer + 1))
-        bytes_sent += data.size
+        meta, buffers = pack_layer(by_index[move.layer])
+        header = np.array([len(meta), len(buffers), *(b.numel() for b in buffers)], dtype=np.int64)
+        meta_arr = np.frombuffer(meta, dtype=np.uint8)
+        keep_alive += [header, meta_arr, buffers]
+        base = _TAGS_PER_LAYER * move.layer
+        send_requests.append(comm.Isend(header, dest=move.dst, tag=base))
+        send_requests.append(comm.Isend([meta_arr, MPI.BYTE], dest=move.dst, tag=base + 1))
+        for k, buf in enumerate(buffers):
+            send_requests.append(comm.Isend([buf.numpy(), MPI.BYTE], dest=move.dst, tag=base + 2 + k))
+        bytes_sent += meta_arr.size + sum(b.numel() for b in buffers)
 
-    # Receive sizes, then bodies.
-    sizes = {m.layer: np.zeros(1, dtype=np.int64) for m in incoming}
-    wait_quietly([comm.Irecv(sizes[m.layer], source=m.src, tag=2 * m.layer) for m in incoming])
-    bodies = {m.layer: np.empty(int(sizes[m.layer][0]), dtype=np.uint8) for m in incoming}
-    wait_quietly(
-        [
-            comm.Irecv([bodies[m.layer], MPI.BYTE], source=m.src, tag=2 * m.layer + 1)
-            for m in incoming
+    arrived = []
+    bytes_received = 0
+    for move in incoming:
+        base = _TAGS_PER_LAYER * move.layer
+        status = MPI.Status()
+        wait_quietly_probe(comm, move.src, base, status)
+        header = np.zeros(status.Get_count(MPI.INT64_T), dtype=np.int64)
+        comm.Recv(header, source=move.src, tag=base)
+        meta_arr = np.empty(int(header[0]), dtype=np.uint8)
+        buffers = [torch.empty(int(n), dtype=torch.uint8) for n in header[2:]]
+        requests = [comm.Irecv([meta_arr, MPI.BYTE], source=move.src, tag=base + 1)]
+        requests += [
+            comm.Irecv([buf.numpy(), MPI.BYTE], source=move.src, tag=base + 2 + k)
+            for k, buf in enumerate(buffers)
         ]
-    )
-    arrived = [unpack_layer(stage, bodies[m.layer].tobytes(), m.layer) for m in incoming]
+        wait_quietly(requests)
+        arrived.append(unpack_layer(stage, meta_arr.tobytes(), buffers, move.layer))
+        bytes_received += meta_arr.size + sum(b.numel() for b in buffers)
     wait_quietly(send_requests)
     del keep_alive
 
@@ -145,7 +219,6 @@ def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> Migra
             f"after migration ranks own {counts} layers (sum {sum(counts)}), "
             f"expected {new_parts[-1]} in total"
         )
-    bytes_received = sum(int(b.size) for b in bodies.values())
     return MigrationStats(
         num_moves=len(moves),
         bytes_sent=bytes_sent,

@@ -120,7 +120,7 @@ install_packages() {
 # ---------------------------------------------------------------------------------------------
 write_configs() {
   mkdir -p "$DIR"/{etc,run,log,state,munge,mysql,spool}
-  local n i=0
+  local n
   for n in $(node_names); do mkdir -p "$DIR/spool/$n/tmp"; done
 
   cat >"$CONF" <<EOF
@@ -396,7 +396,7 @@ stop_daemons() {
       while [ -n "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && [ "$(date +%s)" -lt "$deadline" ]; do
         sleep 0.3
       done
-      log "cancelled jobs: $(echo $ids)"
+      log "cancelled jobs: $(tr "\n" " " <<<"$ids")"
     fi
     timeout 10 scontrol shutdown >/dev/null 2>&1 || true
   fi

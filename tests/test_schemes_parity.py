@@ -35,7 +35,9 @@ def _acted(scheme: str, events: list[dict]) -> bool:
     if scheme == "early_exit":
         return any(v.get("exit_head.exited", 0) > 0 for v in layers)
     if scheme == "mod":
-        return any(0 < v.get("depth_router.processed", 0) < v["depth_router.tokens"] for v in layers)
+        return any(
+            0 < v.get("depth_router.processed", 0) < v["depth_router.tokens"] for v in layers
+        )
     raise AssertionError(scheme)
 
 

@@ -227,7 +227,11 @@ class SchemeController:
             for slot in slots:
                 base = sparse_base_density(self.cfg, slot.index)
                 attn = getattr(slot.module, "attn", None)
-                if base is not None and isinstance(attn, SchemeAttention) and attn.density is not None:
+                if (
+                    base is not None
+                    and isinstance(attn, SchemeAttention)
+                    and attn.density is not None
+                ):
                     density = sparse_attention.density_at(schemes.sparse_attention, base, step + 1)
                     attn.density.fill_(density)
         if schemes.early_exit is not None:

@@ -122,7 +122,8 @@ def freeze_step(
     current_end: int,
     num_pipeline_layers: int,
 ) -> tuple[int, dict[str, Any] | None]:
-    """Run a convergence check if one is due; returns the new prefix end and an event."""
+    """Run a convergence check if one is due; returns the new prefix end and its event (the
+    relative gradient-norm change of every unfrozen layer, None at a layer's first check)."""
     if not is_check_step(section, step):
         return current_end, None
     mine: dict[int, tuple[bool, float]] = {}
@@ -144,11 +145,13 @@ def freeze_step(
     for slot in slots:
         if slot.index < new_end and not is_frozen(slot.module):
             freeze_(slot.module)
-    event = None
-    if new_end != current_end:
-        event = {
-            "kind": "freeze",
-            "frozen_prefix_end": new_end,
-            "relative_change": {str(i): merged[i][1] for i in range(current_end, new_end)},
-        }
+    event = {
+        "kind": "freeze",
+        "frozen_prefix_end": new_end,
+        "newly_frozen": list(range(current_end, new_end)),
+        "relative_change": {
+            str(i): None if math.isnan(change) else change
+            for i, (_, change) in sorted(merged.items())
+        },
+    }
     return new_end, event

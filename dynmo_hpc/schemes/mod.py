@@ -64,7 +64,7 @@ def forward_routed(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Pa
     """A MoD block: the selected tokens go through the block, the others pass unchanged."""
     assert block.depth_router is not None
     h = x["h"]  # (B, T, C)
-    B, T, C = h.shape
+    B, _, C = h.shape
     top, weight = block.depth_router(h)  # (B, k), (B, k, 1)
     index = top[..., None].expand(B, top.shape[1], C)  # (B, k, C)
     h_sel = h.gather(1, index)  # (B, k, C)

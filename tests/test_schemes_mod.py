@@ -1,0 +1,67 @@
+"""Mixture of Depths: a routed block processes exactly its configured fraction of tokens."""
+
+from __future__ import annotations
+
+import torch
+from test_schemes_common import scheme_config
+
+from dynmo_hpc.model import MicrobatchContext
+from dynmo_hpc.schemes import build_layer
+from dynmo_hpc.schemes.blocks import SchemeBlock
+from dynmo_hpc.schemes.mod import tokens_processed
+
+
+def _ctx() -> MicrobatchContext:
+    z = torch.zeros(2, 32, dtype=torch.long)
+    return MicrobatchContext(tokens=z, targets=z)
+
+
+def test_tokens_processed_per_sequence():
+    assert tokens_processed(128, 0.125) == 16
+    assert tokens_processed(32, 0.3) == 10  # ceil(9.6)
+    assert tokens_processed(32, 0.001) == 1
+    assert tokens_processed(32, 1.0) == 32
+
+
+def test_capacity_differs_by_block_as_configured(tmp_path):
+    cfg = scheme_config(tmp_path, "mod")  # layers [1, 2, 4], capacities [0.5, 0.25, 0.75]
+    blocks = {i: build_layer(cfg, i) for i in range(1, 5)}
+    assert blocks[3].depth_router is None
+    assert [blocks[i].depth_router.capacity for i in (1, 2, 4)] == [0.5, 0.25, 0.75]
+
+
+def test_block_processes_the_configured_fraction_and_skips_the_rest(tmp_path):
+    cfg = scheme_config(tmp_path, "mod")
+    for index, capacity in ((1, 0.5), (2, 0.25), (4, 0.75)):
+        block = build_layer(cfg, index)
+        assert isinstance(block, SchemeBlock)
+        shapes: dict[str, tuple[int, ...]] = {}
+
+        def record(name: str, shapes: dict = shapes):
+            return lambda mod, inp, out: shapes.__setitem__(name, tuple(inp[0].shape))
+
+        block.attn.register_forward_hook(record("attn"))
+        block.mlp.register_forward_hook(record("mlp"))
+        h = torch.randn(2, 32, 32, requires_grad=True)
+        out = block({"h": h}, _ctx())["h"]
+        k = tokens_processed(32, capacity)
+        assert shapes["attn"] == (2, k, 32) and shapes["mlp"] == (2, k, 32)
+        selected = block.depth_router.last_selected  # (B, k), ascending positions
+        assert selected.shape == (2, k)
+        skipped = torch.ones(2, 32, dtype=torch.bool)
+        skipped[torch.arange(2)[:, None], selected] = False
+        assert torch.equal(out[skipped], h[skipped])  # residual path, untouched
+        assert not torch.equal(out[~skipped], h[~skipped])
+        # The selected tokens are the router's top-k of each sequence.
+        score = block.depth_router.proj(h).squeeze(-1)
+        assert torch.equal(score.topk(k, dim=1).indices.sort(dim=1).values, selected)
+        assert block.depth_router.stats["processed"] == 2 * k
+
+
+def test_router_learns_through_the_block_update(tmp_path):
+    cfg = scheme_config(tmp_path, "mod")
+    block = build_layer(cfg, 2)
+    out = block({"h": torch.randn(2, 32, 32)}, _ctx())["h"]
+    out.square().sum().backward()
+    assert block.depth_router.proj.weight.grad is not None
+    assert float(block.depth_router.proj.weight.grad.abs().sum()) > 0
