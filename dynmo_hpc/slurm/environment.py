@@ -284,22 +284,21 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
     node_list = tuple(expand_hostlist(node_spec))
     num_nodes = len(node_list)
     step_spec = env.get("SLURM_STEP_NODELIST")
-    in_step = bool(step_spec)
+    step_node_list = tuple(expand_hostlist(step_spec)) if step_spec else None
     # Inside a step SLURM_NNODES describes the step, so only the job's own count is compared.
-    declared = _get_int(env, "SLURM_JOB_NUM_NODES", *(() if in_step else ("SLURM_NNODES",)))
+    fallback = () if step_node_list else ("SLURM_NNODES",)
+    declared = _get_int(env, "SLURM_JOB_NUM_NODES", *fallback)
     if declared is not None and declared != num_nodes:
         raise SlurmEnvError(
             f"SLURM_JOB_NUM_NODES={declared} but SLURM_JOB_NODELIST={node_spec!r} names "
             f"{num_nodes} nodes. HINT: after a shrink, source slurm_job_{job_id}_resize.sh"
         )
     cpus_per_node = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", num_nodes)
-    if step_spec:
-        step_node_list: tuple[str, ...] | None = tuple(expand_hostlist(step_spec))
+    if step_node_list:
         tasks_var, count_var = "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS"
         tasks_per_node = _per_node(env, tasks_var, len(step_node_list))
         num_tasks = _get_int(env, count_var)
     else:
-        step_node_list = None
         tasks_var, count_var = "SLURM_TASKS_PER_NODE", "SLURM_NTASKS"
         tasks_per_node = _per_node(env, tasks_var, num_nodes)
         num_tasks = _get_int(env, count_var, "SLURM_NPROCS")

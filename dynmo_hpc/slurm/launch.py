@@ -36,7 +36,7 @@ _OPEN_MPI_ENV: dict[str, str] = {
     # MPI_Init (mca_pml_ob1_recv_frag_callback_match: a peer's first message arrived while this
     # rank still waited in the modex fence, before MPI_COMM_WORLD existed in the PML; cf.
     # open-mpi/ompi#12495). With the modex run in the background MPI_Init registers
-    # MPI_COMM_WORLD before it waits, and 0 of 300 launches failed.
+    # MPI_COMM_WORLD before it waits, and 0 of 340 launches failed (docs/slurm.md).
     "OMPI_MCA_pmix_base_async_modex": "1",
 }
 """Open MPI 5 settings for every cluster."""
