@@ -123,3 +123,110 @@ class StageLink:
     @property
     def num_pending_sends(self) -> int:
         return len(self._sends)
+
+
+def init_torch_distributed(comm: MPI.Comm, backend: str) -> None:
+    """Bootstrap ``torch.distributed`` from MPI: rank 0 picks a free port and shares its address.
+
+    No launcher-specific variables (torchrun's, SLURM's) are needed, so the same code serves local
+    ``mpiexec`` and ``srun`` steps. Process groups are passed explicitly, never global singletons
+    beyond torch's own default group.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    address = port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        address = "127.0.0.1" if comm.size == 1 else _routable_address()
+    address, port = comm.bcast((address, port), root=0)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=comm.rank,
+        world_size=comm.size,
+    )
+
+
+def _routable_address() -> str:
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TorchDistLink(StageLink):
+    """The same exchange over ``torch.distributed`` point-to-point: NCCL on GPUs, gloo on CPUs.
+
+    On CUDA this keeps activations on the device (no host staging). Messages between a pair of
+    ranks in one direction are posted and matched in the same order on both sides (microbatch
+    order, then payload key order), which is all NCCL's untagged point-to-point needs.
+    """
+
+    def __init__(self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device) -> None:
+        super().__init__(comm, stage, num_stages, device)
+        import torch.distributed as dist
+
+        self.dist = dist
+        backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+        init_torch_distributed(comm, backend)
+        self.backend = backend
+
+    def _wait_works(self, works: Sequence[Any]) -> float:
+        t0 = time.perf_counter()
+        sleep_s = 2e-5
+        for work in works:
+            while not work.is_completed():
+                time.sleep(sleep_s)
+                sleep_s = min(1e-3, sleep_s * 2)
+            work.wait()
+        return time.perf_counter() - t0
+
+    def _recv(self, src: int | None, microbatch: int, direction: int, spec: Spec) -> Payload | None:
+        if src is None:
+            return None
+        buffers: Payload = {}
+        works = []
+        for i, (name, (shape, dtype)) in enumerate(spec.items()):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            works.append(self.dist.irecv(buf, src=src, tag=self._tag(microbatch, direction, i)))
+            buffers[name] = buf
+        self.idle_s += self._wait_works(works)
+        return buffers
+
+    def _send(
+        self, dst: int | None, microbatch: int, direction: int, spec: Spec, payload: Payload
+    ) -> None:
+        if dst is None:
+            return
+        for i, name in enumerate(spec):
+            tensor = payload[name].detach().contiguous()
+            work = self.dist.isend(tensor, dst=dst, tag=self._tag(microbatch, direction, i))
+            self._sends.append((work, tensor))
+
+    def finish_sends(self) -> None:
+        self.idle_s += self._wait_works([w for w, _ in self._sends])
+        self._sends.clear()
+
+    def reap_sends(self) -> None:
+        if self._sends:
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+
+def make_link(
+    kind: str, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device
+) -> StageLink:
+    """``runtime.p2p``: ``mpi``, ``torch`` (NCCL on GPU, gloo on CPU), or ``auto`` (torch on
+    CUDA, mpi on CPU)."""
+    if kind == "auto":
+        kind = "torch" if device.type == "cuda" else "mpi"
+    if kind == "torch":
+        return TorchDistLink(comm, stage, num_stages, device)
+    return StageLink(comm, stage, num_stages, device)

@@ -160,6 +160,9 @@ class PipelineSection:
 class RuntimeSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available (GPU chosen by local rank), else CPU."""
+    p2p: Literal["auto", "mpi", "torch"] = "auto"
+    """Stage-to-stage transport: mpi4py buffers, torch.distributed (NCCL on GPU, gloo on CPU),
+    or auto (torch on CUDA, mpi on CPU)."""
     threads_per_rank: int = 1
     """torch intra-op threads per rank; 1 keeps per-layer CPU timing honest."""
     mpi_launcher: str | None = None

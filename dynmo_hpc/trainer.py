@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from . import checkpoint
 from .balance import uniform
-from .comm import StageLink
+from .comm import make_link
 from .config import JobConfig
 from .data import TextDataset
 from .device import pick_device
@@ -116,7 +116,7 @@ class Trainer:
         self.device = pick_device(cfg.runtime.device)
         self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
         self.parts = initial_partition(cfg)
-        self.link = StageLink(comm, self.rank, num_stages, self.device)
+        self.link = make_link(cfg.runtime.p2p, comm, self.rank, num_stages, self.device)
         self.stage = PipelineStage(cfg, self.rank, self.parts, self.link, self.dataset, self.device)
         self.stage.check_invariants()
         self.schemes = SchemeController(cfg)

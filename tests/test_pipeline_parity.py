@@ -59,3 +59,11 @@ def test_final_parameters_match_reference(tmp_path):
         # AdamW moments and step counts are saved with the weights.
         opt_state = saved["optimizer"]["state"]
         assert opt_state and all(float(s["step"]) == cfg.train.steps for s in opt_state.values())
+
+
+def test_torch_distributed_transport_matches_reference(tmp_path):
+    """runtime.p2p=torch (gloo here, NCCL on GPUs) gives the same losses as the reference."""
+    cfg = tiny_config(tmp_path, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
+    reference = train_reference(cfg)
+    result = run_job(cfg)
+    assert_losses_close(result["losses"], reference.losses, rel=1e-5)

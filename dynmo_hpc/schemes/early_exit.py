@@ -68,7 +68,8 @@ class ExitHead(nn.Module):
         self.register_buffer("enabled", torch.tensor(section.start_step == 0))
         """Whether tokens may exit yet (the controller switches it on at start_step)."""
         self.stats: dict[str, float] = {}
-        """Tokens reaching this exit and tokens exiting here since the last report."""
+        """Since the last report: tokens reaching this exit, their summed confidence (mean =
+        confidence_sum / reached, a guide for the threshold) and tokens exiting here."""
 
     def decide(
         self,
@@ -83,11 +84,15 @@ class ExitHead(nn.Module):
         logits = self.proj(self.ln(h_act))  # (N, V)
         ce = F.cross_entropy(logits, ctx.targets[b_idx, t_idx], reduction="none")  # (N,)
         ctx.aux_losses.append(self.loss_weight * ce.mean())
+        with torch.no_grad():
+            confidence = F.softmax(logits, dim=-1).amax(-1)  # (N,)
         self.stats["reached"] = self.stats.get("reached", 0.0) + float(b_idx.numel())
+        self.stats["confidence_sum"] = self.stats.get("confidence_sum", 0.0) + float(
+            confidence.sum()
+        )
         if not bool(self.enabled):
             return {}
-        with torch.no_grad():
-            leaving = F.softmax(logits, dim=-1).amax(-1) >= self.threshold  # (N,)
+        leaving = confidence >= self.threshold  # (N,)
         lb, lt = b_idx[leaving], t_idx[leaving]
         self.stats["exited"] = self.stats.get("exited", 0.0) + float(lb.numel())
         active = active.clone()
