@@ -1,7 +1,9 @@
 """Per scheme: a short real training on 2 ranks, and the cheapest / dearest block cost it measured.
 
-For each scheme (and the plain model as a baseline) it trains ``jobs/<scheme>.yaml`` on 2 local MPI
-ranks, reads the run log (``runs/<job>/run.h5``) and prints, at the first and the last load report,
+For each scheme it trains ``jobs/<scheme>.yaml`` on 2 local MPI ranks (``baseline``: the plain
+model of jobs/default.yaml; ``sparse_attention_dense``: the long-sequence model of
+jobs/sparse_attention.yaml with dense attention), reads the run log (``runs/<job>/run.h5``) and
+prints, at the first and the last load report,
 the cheapest and the dearest block (layers 1..N) by cost = forward_s + backward_s (thread CPU
 seconds per step, as the profiler measures them), the spread (dearest / cheapest), and the
 total block cost relative to the start. That is the imbalance DynMo has to correct.
@@ -11,7 +13,7 @@ feed-forward matmuls of the default model (1024 tokens x 128 -> 512 and 512 -> 1
 CSR and COO at the sparsities the schedule reaches, against the dense matmul of the structurally
 shrunk matrix (what ``schemes/pruning.py`` does). The numbers are in docs/schemes.md.
 
-    .venv/bin/python benchmarks/bench_schemes.py [--schemes moe pruning ...] [--steps 60]
+    .venv/bin/python benchmarks/bench_schemes.py [--schemes baseline moe ...] [--steps 60]
     .venv/bin/python benchmarks/bench_schemes.py --kernels
 """
 
@@ -37,13 +39,20 @@ from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, worker_argv  # noqa
 from dynmo_hpc.runlog import load  # noqa: E402
 
 SCHEMES = ["moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"]
+BASELINES = {
+    "baseline": ("default.yaml", []),
+    # The long-sequence model of jobs/sparse_attention.yaml with dense attention.
+    "sparse_attention_dense": ("sparse_attention.yaml", ["schemes.sparse_attention=null"]),
+}
 
 
 # ------------------------------------------------------------------------------------ runs
 def run_scheme(scheme: str, out_dir: Path, steps: int | None, overrides: list[str]) -> dict:
     """Train one job on 2 ranks; returns the block-cost summary from its run log."""
-    job = ROOT / "jobs" / ("default.yaml" if scheme == "baseline" else f"{scheme}.yaml")
+    job_file, extra = BASELINES.get(scheme, (f"{scheme}.yaml", []))
+    job = ROOT / "jobs" / job_file
     sets = [
+        *extra,
         f"job.name=bench_{scheme}",
         f"job.out_dir={out_dir}",
         "pipeline.num_stages=2",
@@ -156,7 +165,9 @@ def bench_kernels(sparsities: list[float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schemes", nargs="*", default=["baseline", *SCHEMES])
+    parser.add_argument(
+        "--schemes", nargs="*", default=[*SCHEMES[:3], "sparse_attention_dense", *SCHEMES[3:]]
+    )
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None, help="run directory (default: temp)")

@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
     from . import plan_cli, report
+    from .slurm import cli as slurm_cli
 
     plan_cli.add_parser(sub)
     report.add_parser(sub)
+    slurm_cli.add_parsers(sub)
     return parser
 
 

@@ -516,6 +516,106 @@ class SchemesSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlurmSection:
+    """How the job is submitted to SLURM (``dynmo-hpc sbatch`` / ``dynmo-hpc submit``).
+
+    The fields mirror :func:`dynmo_hpc.slurm.sbatch.render_sbatch`'s job parameters, so one job
+    file renders the same allocation through the sbatch template and through submitit. Local runs
+    (``dynmo-hpc run``) ignore the section.
+    """
+
+    nodes: int | None = None
+    """``--nodes``; null = pipeline.num_stages (one stage per node)."""
+    tasks_per_node: int = 1
+    """``--ntasks-per-node``: MPI ranks per node; nodes * tasks_per_node >= num_stages."""
+    gpus_per_node: int = 0
+    """``--gpus-per-node``; 0 leaves it out (CPU nodes)."""
+    cpus_per_task: int = 1
+    """``--cpus-per-task``; raise it with runtime.threads_per_rank."""
+    time_min: int = 30
+    """``--time`` in minutes; the job is killed after it."""
+    partition: str | None = None
+    """``--partition``; null = the cluster's default partition."""
+    account: str | None = None
+    """``--account`` to charge; null = the user's default."""
+    qos: str | None = None
+    """``--qos``; null = the default quality of service."""
+    mem_gb: float | None = None
+    """``--mem`` per node in GB; null = the partition's default."""
+    signal_delay_s: int = 120
+    """SIGUSR2 reaches the job manager this many seconds before the time limit (checkpoint)."""
+    venv: str | None = None
+    """Virtual environment the job activates; null = the one running at submit time
+    (``sys.prefix``), or none when that is not a venv."""
+    conda_env: str | None = None
+    """Conda environment the job activates instead of a venv (not together with venv)."""
+    modules: list[str] = field(default_factory=list)
+    """Environment modules to ``module load``, in order, before activation (e.g. an MPI, CUDA)."""
+    launcher: Literal["auto", "srun", "mpirun"] = "auto"
+    """How the manager starts the ranks: ``srun --mpi=pmix``, the venv's ``mpirun``; auto = srun."""
+    loopback_only: bool = False
+    """Pin Open MPI to TCP over ``lo``: true only where all nodes share one host (test clusters)."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` flags, verbatim, e.g. ``[--exclusive]``."""
+
+    def num_nodes(self, num_stages: int) -> int:
+        """The node count to ask for: ``nodes``, or one node per pipeline stage."""
+        return num_stages if self.nodes is None else self.nodes
+
+    def validate(self) -> None:
+        # The sbatch renderer owns the rules for impossible values (signal after the time
+        # limit, venv and conda together, unsafe #SBATCH text); reuse them so both paths agree.
+        from .slurm.sbatch import SbatchOptionError, validate_sbatch_options
+
+        try:
+            validate_sbatch_options(
+                {
+                    "job_name": "validate",
+                    "config_path": "validate.yaml",
+                    "output_dir": "validate",
+                    "nodes": 1 if self.nodes is None else self.nodes,
+                    "tasks_per_node": self.tasks_per_node,
+                    "gpus_per_node": self.gpus_per_node,
+                    "cpus_per_task": self.cpus_per_task,
+                    "time_min": self.time_min,
+                    "partition": self.partition,
+                    "account": self.account,
+                    "qos": self.qos,
+                    "mem_gb": self.mem_gb,
+                    "signal_delay_s": self.signal_delay_s,
+                    "venv": self.venv,
+                    "conda_env": self.conda_env,
+                    "modules": self.modules,
+                    "launcher": self.launcher,
+                    "mpi_loopback_only": self.loopback_only,
+                    "extra_sbatch": self.extra_sbatch,
+                }
+            )
+        except SbatchOptionError as exc:
+            problems = [
+                "slurm." + line.strip()[2:]
+                for line in str(exc).splitlines()
+                if line.strip().startswith("- ")
+            ]
+            raise ConfigError(
+                "; ".join(problems or [str(exc)])
+                + "; HINT: fix it under slurm: in the job file or with --set slurm.KEY=VALUE"
+            ) from None
+
+    def validate_for(self, pipeline: PipelineSection) -> None:
+        """One MPI rank per stage: the allocation must hold a task slot for every stage."""
+        num_nodes = self.num_nodes(pipeline.num_stages)
+        slots = num_nodes * self.tasks_per_node
+        if slots < pipeline.num_stages:
+            raise ConfigError(
+                f"slurm.nodes({num_nodes}) * slurm.tasks_per_node({self.tasks_per_node}) = "
+                f"{slots} < pipeline.num_stages({pipeline.num_stages}): every stage needs a "
+                "task slot; HINT: raise slurm.nodes or slurm.tasks_per_node, or set "
+                "slurm.nodes: null (one node per stage)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -525,6 +625,8 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     balance: BalanceSection = field(default_factory=BalanceSection)
     schemes: SchemesSection = field(default_factory=SchemesSection)
+    slurm: SlurmSection = field(default_factory=SlurmSection)
+    """SLURM submission settings; local runs ignore them."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -540,6 +642,7 @@ class JobConfig:
             if hasattr(section, "validate"):
                 section.validate()
         self.schemes.validate_for(self.model)
+        self.slurm.validate_for(self.pipeline)
         num_layers = self.model.num_pipeline_layers
         num_stages = self.pipeline.num_stages
         if num_stages > num_layers:

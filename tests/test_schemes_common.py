@@ -318,3 +318,24 @@ def test_scheme_state_travels_with_migrating_layers(tmp_path, scheme):
     moves = {1: [0, 3, 4, 6], 2: [0, 1, 5, 6], 3: [0, 2, 3, 6]}
     run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps, repartition=moves)
     assert_same_losses(run.losses, reference.losses)
+
+
+COMBINATIONS = [
+    ("moe", "pruning"),
+    ("pruning", "sparse_attention"),
+    ("moe", "early_exit"),
+    ("freezing", "mod"),
+    ("freezing", "early_exit"),
+]
+
+
+@pytest.mark.parametrize("schemes", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
+def test_schemes_combine(tmp_path, schemes):
+    """Schemes that touch different parts of a block stack; the pipeline still matches."""
+    overrides = [o for name in schemes for o in SCHEME_OVERRIDES[name]]
+    cfg = scheme_config(tmp_path, None, *overrides, "train.steps=5")
+    assert set(cfg.schemes.enabled) == set(schemes)
+    reference = train_reference(cfg)
+    moves = {2: [0, 3, 4, 6]}
+    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps, repartition=moves)
+    assert_same_losses(run.losses, reference.losses)

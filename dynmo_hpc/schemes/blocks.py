@@ -16,19 +16,14 @@ block migrates.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelSection
 from ..model import Block, MicrobatchContext, Payload
-from . import sparse_attention
-
-if TYPE_CHECKING:
-    from .early_exit import ExitHead
-    from .mod import DepthRouter
+from . import early_exit, mod, sparse_attention
+from .moe import MoEFeedForward
 
 
 class SchemeAttention(nn.Module):
@@ -107,16 +102,14 @@ class SchemeBlock(Block):
     def __init__(self, cfg: ModelSection, d_ff: int) -> None:
         super().__init__(cfg, d_ff)
         self.attn: SchemeAttention = SchemeAttention(cfg.d_model, cfg.num_heads)
-        self.depth_router: DepthRouter | None = None
-        self.exit_head: ExitHead | None = None
+        self.depth_router: mod.DepthRouter | None = None
+        self.exit_head: early_exit.ExitHead | None = None
         self.early_exit_model = False
         self.token_stats: dict[str, float] = {}
         """Tokens seen and tokens computed since the last report (early-exit models)."""
 
     def feed_forward(self, x: Tensor, ctx: MicrobatchContext) -> Tensor:
         """The block's feed-forward on (..., C); an MoE appends its balancing loss to ``ctx``."""
-        from .moe import MoEFeedForward
-
         if isinstance(self.mlp, MoEFeedForward):
             shape = x.shape
             y, aux = self.mlp(x.reshape(-1, shape[-1]))  # (N, C)
@@ -127,13 +120,9 @@ class SchemeBlock(Block):
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         assert x is not None
         if self.depth_router is not None:
-            from .mod import forward_routed
-
-            return forward_routed(self, x, ctx)
+            return mod.forward_routed(self, x, ctx)
         if self.early_exit_model:
-            from .early_exit import forward_active
-
-            return forward_active(self, x, ctx)
+            return early_exit.forward_active(self, x, ctx)
         h = x["h"]  # (B, T, C)
         h = h + self.attn(self.ln_1(h))
         h = h + self.feed_forward(self.ln_2(h), ctx)

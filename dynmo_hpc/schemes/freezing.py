@@ -46,9 +46,19 @@ def is_frozen(module: nn.Module) -> bool:
     return bool(flag) if isinstance(flag, torch.Tensor) else False
 
 
+def _buffer(module: nn.Module, name: str) -> torch.Tensor:
+    value = getattr(module, name, None)
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"{type(module).__name__} has no '{name}' buffer: it was not built with "
+            "schemes.freezing on; build layers through dynmo_hpc.schemes.build_layer"
+        )
+    return value
+
+
 def freeze_(module: nn.Module) -> None:
     """Stop training a layer: no weight gradients, no optimizer updates from now on."""
-    module.frozen.fill_(True)
+    _buffer(module, "frozen").fill_(True)
     apply_frozen_flag(module)
 
 
@@ -87,8 +97,9 @@ def check_layer(
 ) -> tuple[bool, float]:
     """Update a layer's reference norm; returns (converged, relative change)."""
     norm = grad_norm_estimate(optimizer)
-    previous = float(module.frozen_ref_grad_norm)
-    module.frozen_ref_grad_norm.fill_(-1.0 if math.isnan(norm) else norm)
+    reference = _buffer(module, "frozen_ref_grad_norm")
+    previous = float(reference)
+    reference.fill_(-1.0 if math.isnan(norm) else norm)
     if math.isnan(norm) or previous <= 0.0:
         return False, math.nan
     change = abs(norm - previous) / previous

@@ -148,9 +148,14 @@ def prunable_groups(module: nn.Module, section: PruningSection) -> list[tuple[st
 
 
 def layer_candidates(index: int, module: nn.Module, section: PruningSection) -> list[Candidate]:
-    out = []
+    """Every remaining prunable structure of one layer, with its score."""
+    out: list[Candidate] = []
     for kind, path, sub in prunable_groups(module, section):
-        scores = neuron_scores(sub) if kind == NEURON else head_scores(sub)  # type: ignore[arg-type]
+        if isinstance(sub, MLP):
+            scores = neuron_scores(sub)
+        else:
+            assert isinstance(sub, SchemeAttention)
+            scores = head_scores(sub)
         out.extend(Candidate(float(s), index, path, i, kind) for i, s in enumerate(scores.tolist()))
     return out
 

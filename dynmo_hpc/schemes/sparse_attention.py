@@ -5,9 +5,9 @@ branch): the sequence is cut into blocks of ``block_size`` tokens. For every (ba
 block) a cheap pooled score, mean query of the block times mean key of each causal key block,
 ranks the key blocks; the query block keeps its own (local, diagonal) block plus the best others
 until it holds ``ceil(density * (i + 1))`` of its ``i + 1`` causal key blocks. Only the kept
-(query block, key block) pairs are computed: scores and values are gathered per pair, and the
-softmax is taken jointly over all pairs of a query block (a segmented softmax), so a query never
-sees a skipped block and no skipped block costs a multiply. With density 1 every causal block is
+(query block, key block) pairs are computed: the kept key and value blocks are gathered, and each
+query block attends over exactly them (one softmax over its kept keys), so a query never sees a
+skipped block and no skipped block costs a multiply. With density 1 every causal block is
 kept and the result equals dense causal attention (to float rounding).
 
 The choice is made at run time from the data (per microbatch, layer, head and query block), and
@@ -47,15 +47,11 @@ def blocks_kept_per_row(num_blocks: int, density: float) -> list[int]:
     return [max(1, min(i + 1, math.ceil(density * (i + 1) - 1e-9))) for i in range(num_blocks)]
 
 
-def select_key_blocks(
-    q: Tensor, k: Tensor, block_size: int, density: float
-) -> tuple[Tensor, Tensor]:
-    """Choose the kept (query block, key block) pairs from pooled scores.
+def rank_key_blocks(q: Tensor, k: Tensor, block_size: int) -> Tensor:
+    """Key blocks of every query block, best first: its own block, then causal blocks by pooled
+    score (mean query of the block . mean key of the key block), then the non-causal ones.
 
-    Returns ``q_block`` (P,) int64, the query block of each pair (the same for every batch row
-    and head, because the count per query block depends only on its index), and ``k_block``
-    (B, nh, P) int64, the key block of each pair; pairs of a query block are contiguous and
-    their key blocks ascend.
+    q, k: (B, nh, T, hs). Returns (B, nh, nb, nb) int64 key-block indices; ties break by index.
     """
     B, nh, T, hs = q.shape
     nb = T // block_size
@@ -67,12 +63,25 @@ def select_key_blocks(
         causal = rows[:, None] >= rows[None, :]  # (nb, nb)
         score = score.masked_fill(~causal, float("-inf"))
         score = score.masked_fill(torch.eye(nb, dtype=torch.bool, device=q.device), float("inf"))
-        order = score.argsort(dim=-1, descending=True, stable=True)  # (B, nh, nb, nb)
-        keep = blocks_kept_per_row(nb, density)
-        k_block = torch.cat(
-            [order[:, :, i, : keep[i]].sort(dim=-1).values for i in range(nb)], dim=-1
-        )  # (B, nh, P)
-        q_block = torch.repeat_interleave(rows, torch.tensor(keep, device=q.device))  # (P,)
+        return score.argsort(dim=-1, descending=True, stable=True)
+
+
+def select_key_blocks(
+    q: Tensor, k: Tensor, block_size: int, density: float
+) -> tuple[Tensor, Tensor]:
+    """The kept (query block, key block) pairs, for inspection and tests.
+
+    Returns ``q_block`` (P,) int64, the query block of each pair (the same for every batch row
+    and head: the count per query block depends only on its index), and ``k_block``
+    (B, nh, P) int64; pairs of a query block are contiguous and their key blocks ascend.
+    """
+    order = rank_key_blocks(q, k, block_size)  # (B, nh, nb, nb)
+    nb = order.shape[-1]
+    keep = blocks_kept_per_row(nb, density)
+    k_block = torch.cat([order[:, :, i, : keep[i]].sort(dim=-1).values for i in range(nb)], -1)
+    q_block = torch.repeat_interleave(
+        torch.arange(nb, device=q.device), torch.tensor(keep, device=q.device)
+    )
     return q_block, k_block
 
 
@@ -83,37 +92,41 @@ def block_sparse_attention(
 
     q, k, v: (B, nh, T, hs) with T a multiple of ``block_size``. Returns the output
     (B, nh, T, hs), the number of kept (query block, key block) pairs per (batch row, head), and
-    the number of causal pairs a dense causal kernel would compute.
+    the number of causal pairs a dense causal kernel computes.
+
+    Query blocks that keep the same number n of key blocks form a group (they are contiguous,
+    because n grows with the block index); a group's kept key and value blocks are gathered into
+    (B, nh, R, n * bs, hs) and attended with one batched matmul and one softmax, so nothing is
+    padded and no skipped block is touched. Kept blocks are in ascending order, so a query
+    block's own (diagonal) block is the last one and takes the causal mask.
     """
     B, nh, T, hs = q.shape
     if T % block_size:
         raise ValueError(f"sequence length {T} is not a multiple of block_size {block_size}")
-    nb = T // block_size
-    bs = block_size
-    q_block, k_block = select_key_blocks(q, k, block_size, density)
-    num_pairs = q_block.numel()
-
-    qb = q.reshape(B, nh, nb, bs, hs)
+    nb, bs = T // block_size, block_size
+    keep = blocks_kept_per_row(nb, density)
+    order = rank_key_blocks(q, k, block_size)  # (B, nh, nb, nb)
+    qb = q.reshape(B, nh, nb, bs, hs) * (1.0 / math.sqrt(hs))
     kb = k.reshape(B, nh, nb, bs, hs)
     vb = v.reshape(B, nh, nb, bs, hs)
-    q_pairs = qb[:, :, q_block]  # (B, nh, P, bs, hs)
-    gather_index = k_block[..., None, None].expand(B, nh, num_pairs, bs, hs)
-    k_pairs = torch.gather(kb, 2, gather_index)  # (B, nh, P, bs, hs)
-    v_pairs = torch.gather(vb, 2, gather_index)  # (B, nh, P, bs, hs)
-
-    scores = (q_pairs @ k_pairs.transpose(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, P, bs, bs)
-    diagonal = (k_block == q_block)[..., None, None]  # (B, nh, P, 1, 1)
     upper = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1)  # (bs, bs)
-    scores = scores.masked_fill(diagonal & upper, float("-inf"))
-
-    # Segmented softmax over every key of every pair that belongs to the same query block.
-    with torch.no_grad():
-        row_max = scores.amax(-1)  # (B, nh, P, bs)
-        seg_max = torch.full((B, nh, nb, bs), float("-inf"), dtype=q.dtype, device=q.device)
-        segment = q_block[None, None, :, None].expand(B, nh, num_pairs, bs)  # (B, nh, P, bs)
-        seg_max = seg_max.scatter_reduce(2, segment, row_max, "amax")  # (B, nh, nb, bs)
-    weights = torch.exp(scores - seg_max[:, :, q_block, :, None])  # (B, nh, P, bs, bs)
-    denom = q.new_zeros(B, nh, nb, bs).index_add(2, q_block, weights.sum(-1))  # (B, nh, nb, bs)
-    numer = q.new_zeros(B, nh, nb, bs, hs).index_add(2, q_block, weights @ v_pairs)
-    y = numer / denom[..., None]  # (B, nh, nb, bs, hs)
-    return y.reshape(B, nh, T, hs), num_pairs, nb * (nb + 1) // 2
+    outputs = []
+    start = 0
+    while start < nb:
+        n = keep[start]
+        end = start
+        while end < nb and keep[end] == n:
+            end += 1
+        rows = end - start
+        kept = order[:, :, start:end, :n].sort(dim=-1).values  # (B, nh, R, n)
+        index = kept.reshape(B, nh, rows * n)[..., None, None].expand(B, nh, rows * n, bs, hs)
+        k_sel = torch.gather(kb, 2, index).reshape(B, nh, rows, n * bs, hs)  # (B, nh, R, n*bs, hs)
+        v_sel = torch.gather(vb, 2, index).reshape(B, nh, rows, n * bs, hs)
+        scores = qb[:, :, start:end] @ k_sel.transpose(-1, -2)  # (B, nh, R, bs, n*bs)
+        mask = torch.zeros(bs, n * bs, dtype=torch.bool, device=q.device)
+        mask[:, (n - 1) * bs :] = upper  # causal inside the diagonal block
+        weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        outputs.append(weights @ v_sel)  # (B, nh, R, bs, hs)
+        start = end
+    y = torch.cat(outputs, dim=2)  # (B, nh, nb, bs, hs)
+    return y.reshape(B, nh, T, hs), sum(keep), nb * (nb + 1) // 2
