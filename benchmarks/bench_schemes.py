@@ -90,7 +90,7 @@ def run_scheme(scheme: str, out_dir: Path, steps: int | None, overrides: list[st
 
 def print_runs(summaries: list[dict]) -> None:
     print(
-        f"{'scheme':<17} {'at':<6}{'step':>5}  {'cheapest block':>18}  {'dearest block':>18}  "
+        f"{'scheme':<23} {'at':<6}{'step':>5}  {'cheapest block':>18}  {'dearest block':>18}  "
         f"{'spread':>6}  {'blocks total':>12}"
     )
     for s in summaries:
@@ -98,13 +98,13 @@ def print_runs(summaries: list[dict]) -> None:
             r = s[label]
             rel = r["total_s"] / s["start"]["total_s"]
             print(
-                f"{s['scheme'] if label == 'start' else '':<17} {label:<6}{r['step']:>5}  "
+                f"{s['scheme'] if label == 'start' else '':<23} {label:<6}{r['step']:>5}  "
                 f"L{r['cheapest_layer']:<2} {1e3 * r['cheapest_s']:>9.1f} ms    "
                 f"L{r['dearest_layer']:<2} {1e3 * r['dearest_s']:>9.1f} ms    "
                 f"{r['dearest_s'] / r['cheapest_s']:>5.2f}x  {rel:>11.2f}x"
             )
         print(
-            f"{'':<17} final loss {s['final_loss']:.4f}, "
+            f"{'':<23} final loss {s['final_loss']:.4f}, "
             f"median {s['median_tokens_per_s']:.0f} tokens/s"
         )
 

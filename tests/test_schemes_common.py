@@ -326,6 +326,7 @@ COMBINATIONS = [
     ("moe", "early_exit"),
     ("freezing", "mod"),
     ("freezing", "early_exit"),
+    ("freezing", "pruning"),
 ]
 
 

@@ -56,6 +56,10 @@ def test_global_ranking_removes_the_smallest_across_layers():
     # Already removed structures count towards the target (4 initial, 3 remain: 1 gone).
     out = choose_removals(cands[1:4], {NEURON: 4}, 0.5, {NEURON: 1, HEAD: 1})
     assert out == {(2, "mlp"): [0]}
+    # A frozen layer's structures count as present but are never removed.
+    locked = [Candidate(c.score, c.layer, c.group, c.index, c.kind, c.layer == 1) for c in cands]
+    out = choose_removals(locked, {NEURON: 4, HEAD: 2}, 0.5, {NEURON: 1, HEAD: 1})
+    assert out == {(2, "mlp"): [0]}
 
 
 def _ctx(B: int = 2, T: int = 32) -> MicrobatchContext:

@@ -13,11 +13,12 @@ more, so layers end at different sparsities. Neurons and heads are ranked separa
 ranking per kind), because a head's and a neuron's weight norms have different scales.
 
 Why structured: torch's sparse kernels do not beat dense matmul on CPU at the sparsities this
-schedule reaches (measured in docs/schemes.md: CSR and COO matmuls are slower than dense at
-50-90% sparsity for these shapes). So pruning removes whole feed-forward neurons (a row of
-``c_fc`` and a column of ``c_proj``, experts' included) and whole attention heads (their query,
-key and value rows of ``c_attn`` and columns of ``c_proj``), and the matrices physically shrink:
-the compute reduction is real on any device and the profiler sees it.
+schedule spends its time at (docs/schemes.md: for the model's shapes CSR and COO matmuls are
+1.4-3.6x slower than dense at 50-75% sparsity and win only from about 90%, while the dense matmul
+of the shrunk matrix is faster than both at every sparsity). So pruning removes whole
+feed-forward neurons (a row of ``c_fc`` and a column of ``c_proj``, experts' included) and whole
+attention heads (their query, key and value rows of ``c_attn`` and columns of ``c_proj``), and the
+matrices physically shrink: the compute reduction is real on any device and the profiler sees it.
 
 Optimizer: the layer's AdamW is rebuilt over the shrunk parameters and keeps the surviving rows'
 moments and the step count, so training continues as if the removed rows had never existed.
@@ -107,6 +108,8 @@ class Candidate:
     index: int
     """Current position of the structure within its group."""
     kind: str
+    locked: bool = False
+    """Counts towards the sparsity but may not be removed (its layer is frozen)."""
 
 
 def neuron_scores(mlp: MLP) -> Tensor:
@@ -147,7 +150,9 @@ def prunable_groups(module: nn.Module, section: PruningSection) -> list[tuple[st
     return groups
 
 
-def layer_candidates(index: int, module: nn.Module, section: PruningSection) -> list[Candidate]:
+def layer_candidates(
+    index: int, module: nn.Module, section: PruningSection, locked: bool = False
+) -> list[Candidate]:
     """Every remaining prunable structure of one layer, with its score."""
     out: list[Candidate] = []
     for kind, path, sub in prunable_groups(module, section):
@@ -156,7 +161,9 @@ def layer_candidates(index: int, module: nn.Module, section: PruningSection) -> 
         else:
             assert isinstance(sub, SchemeAttention)
             scores = head_scores(sub)
-        out.extend(Candidate(float(s), index, path, i, kind) for i, s in enumerate(scores.tolist()))
+        out.extend(
+            Candidate(float(s), index, path, i, kind, locked) for i, s in enumerate(scores.tolist())
+        )
     return out
 
 
@@ -169,7 +176,8 @@ def choose_removals(
     """The structures to remove now: the globally smallest of each kind, down to the target.
 
     ``candidates`` are every remaining structure of every eligible layer; ``initial`` the count
-    of each kind at initialisation. A group never drops below ``min_keep[kind]`` structures.
+    of each kind at initialisation. A group never drops below ``min_keep[kind]`` structures;
+    locked structures (frozen layers) count as present but are never removed.
     Returns (layer, group path) -> indices to remove, ascending.
     """
     removals: dict[tuple[int, str], list[int]] = {}
@@ -184,7 +192,7 @@ def choose_removals(
             if to_remove <= 0:
                 break
             key = (c.layer, c.group)
-            if remaining[key] <= min_keep[kind]:
+            if c.locked or remaining[key] <= min_keep[kind]:
                 continue
             removals.setdefault(key, []).append(c.index)
             remaining[key] -= 1
@@ -308,11 +316,11 @@ def prune_step(
     if target is None:
         return None
     eligible = set(eligible_layers(cfg))
-    mine = [
+    mine = [  # frozen layers count towards the sparsity but keep their structures
         c
         for slot in slots
-        if slot.index in eligible and not is_frozen(slot.module)  # frozen layers stay as they are
-        for c in layer_candidates(slot.index, slot.module, section)
+        if slot.index in eligible
+        for c in layer_candidates(slot.index, slot.module, section, is_frozen(slot.module))
     ]
     every = [c for part in allgather(mine) for c in part]
     initial = initial_counts(cfg)

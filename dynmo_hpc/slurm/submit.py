@@ -44,11 +44,13 @@ __all__ = [
     "SubmitError",
     "executor_parameters",
     "load_job",
+    "make_executor",
     "parse_sweep",
     "resolve_for_cluster",
     "run_in_allocation",
     "sbatch_parameters_for",
     "submit",
+    "submitit_python",
     "sweep_configs",
     "wait_for_job",
 ]
@@ -218,6 +220,17 @@ def _python(slurm: config_mod.SlurmSection) -> str:
     return "python" if (slurm.venv or slurm.conda_env) else sys.executable
 
 
+def submitit_python(slurm: config_mod.SlurmSection) -> str:
+    """The command submitit's batch script starts Python with: ``exec python``.
+
+    ``exec`` makes the job's Python (and so the manager) the batch shell itself, as in the sbatch
+    template: ``--signal=B:USR2@N`` then reaches the manager, which forwards it to the MPI step.
+    Without it, bash gets the signal while it waits for Python, and dies of it (seen on the test
+    cluster: the job ended FAILED at the warning).
+    """
+    return f"exec {shlex.quote(_python(slurm))}"
+
+
 def sbatch_parameters_for(cfg: config_mod.JobConfig, config_path: Path) -> dict[str, Any]:
     """``render_sbatch`` keyword arguments for a (resolved) job; logs go to its run directory."""
     s = cfg.slurm
@@ -249,7 +262,8 @@ def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
     """``submitit.SlurmExecutor.update_parameters`` arguments: the same allocation as the template.
 
     ``use_srun=False`` runs the manager once in the batch script; ``--signal=B:USR2@N`` sends the
-    time-limit warning to it (as in the template), and it forwards the signal to the MPI step.
+    time-limit warning to the batch shell (as in the template), which :func:`submitit_python`
+    makes the manager itself; the manager forwards the signal to the MPI step.
     """
     s = cfg.slurm
     setup: list[str] = []
@@ -292,6 +306,17 @@ def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # submitit
 # --------------------------------------------------------------------------------------------
+
+
+def make_executor(
+    cfg: config_mod.JobConfig, folder: str | Path, *, job_name: str | None = None
+) -> submitit.SlurmExecutor:
+    """A submitit executor for the job's allocation (:func:`executor_parameters`)."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(cfg.slurm))
+    executor.update_parameters(**{**executor_parameters(cfg), "job_name": job_name or cfg.job.name})
+    return executor
 
 
 def run_in_allocation(config_path: str, launcher: str, loopback_only: bool) -> dict[str, Any]:
@@ -366,16 +391,7 @@ def submit(
     if folder is None:
         out_dir = Path(configs[0].job.out_dir)
         folder = (out_dir / f"{base_name}-sweep" if sweep else configs[0].run_dir) / "submitit"
-    python = _python(configs[0].slurm)
-    executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(python))
-    executor.update_parameters(**{**params[0], "job_name": base_name})
-    env = configs[0].slurm
-    if sweep and (env.conda_env or (env.venv and Path(env.venv) != Path(sys.prefix).resolve())):
-        # submitit 1.5 builds array jobs with a fresh executor that drops `python`.
-        log.warning(
-            "submitit starts array tasks with this Python (%s), not slurm.venv/conda_env's",
-            sys.executable,
-        )
+    executor = make_executor(configs[0], folder, job_name=base_name)
     paths = [str(prepare_run_dir(c)) for c in configs]
     launcher, loopback_only = configs[0].slurm.launcher, configs[0].slurm.loopback_only
     try:
