@@ -47,13 +47,15 @@ BASELINES = {
 
 
 # ------------------------------------------------------------------------------------ runs
-def run_scheme(scheme: str, out_dir: Path, steps: int | None, overrides: list[str]) -> dict:
+def run_scheme(
+    scheme: str, out_dir: Path, steps: int | None, overrides: list[str], tag: str = ""
+) -> dict:
     """Train one job on 2 ranks; returns the block-cost summary from its run log."""
     job_file, extra = BASELINES.get(scheme, (f"{scheme}.yaml", []))
     job = ROOT / "jobs" / job_file
     sets = [
         *extra,
-        f"job.name=bench_{scheme}",
+        f"job.name=bench_{scheme}{tag}",
         f"job.out_dir={out_dir}",
         "pipeline.num_stages=2",
         "train.checkpoint=false",
@@ -85,7 +87,30 @@ def run_scheme(scheme: str, out_dir: Path, steps: int | None, overrides: list[st
             "total_s": float(rows.sum()),
         }
     summary["median_tokens_per_s"] = result["median_tokens_per_s"]
+    tps = log.steps["tokens_per_s"]
+    summary["late_tokens_per_s"] = float(tps.iloc[len(tps) // 2 :].median())
+    summary["num_migrations"] = int((log.events["kind"] == "migrate").sum())
     return summary
+
+
+def print_static_vs_dynmo(pairs: list[tuple[dict, dict]]) -> None:
+    """Per scheme: block costs at start/end (DynMo run) and tokens/s, static vs DynMo."""
+    print(
+        f"{'scheme':<23}{'cheapest start':>15}{'dearest start':>14}{'cheapest end':>13}"
+        f"{'dearest end':>12}{'static tok/s':>13}{'dynmo tok/s':>12}{'ratio':>7}{'moves':>6}"
+    )
+    for static, dyn in pairs:
+        a, b = dyn["start"], dyn["end"]
+        print(
+            f"{dyn['scheme']:<23}{1e3 * a['cheapest_s']:>12.0f} ms{1e3 * a['dearest_s']:>11.0f} ms"
+            f"{1e3 * b['cheapest_s']:>10.0f} ms{1e3 * b['dearest_s']:>9.0f} ms"
+            f"{static['late_tokens_per_s']:>13.0f}{dyn['late_tokens_per_s']:>12.0f}"
+            f"{dyn['late_tokens_per_s'] / static['late_tokens_per_s']:>7.2f}"
+            f"{dyn['num_migrations']:>6}"
+        )
+    print(
+        "(costs: thread CPU ms per step of one block; tok/s: median over the 2nd half)"
+    )
 
 
 def print_runs(summaries: list[dict]) -> None:
@@ -172,6 +197,11 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None, help="run directory (default: temp)")
     parser.add_argument("--kernels", action="store_true", help="sparse vs dense matmul only")
+    parser.add_argument(
+        "--compare-static",
+        action="store_true",
+        help="per scheme, also train with balance.algorithm=static, back to back, and compare",
+    )
     parser.add_argument("--sparsities", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9, 0.95])
     args = parser.parse_args()
     if args.kernels:
@@ -180,10 +210,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = args.out or Path(tmp)
         summaries = []
+        pairs = []
         for scheme in args.schemes:
-            summaries.append(run_scheme(scheme, out_dir, args.steps, args.overrides))
+            if args.compare_static:
+                static_sets = [*args.overrides, "balance.algorithm=static"]
+                static = run_scheme(scheme, out_dir, args.steps, static_sets, tag="_static")
+                dyn = run_scheme(scheme, out_dir, args.steps, args.overrides)
+                pairs.append((static, dyn))
+                summaries.append(dyn)
+            else:
+                summaries.append(run_scheme(scheme, out_dir, args.steps, args.overrides))
             print(f"done: {scheme}", flush=True)
         print_runs(summaries)
+        if pairs:
+            print()
+            print_static_vs_dynmo(pairs)
 
 
 if __name__ == "__main__":

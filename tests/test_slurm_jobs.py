@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,9 +25,10 @@ import pytest
 from mpi_helpers import TINY
 from slurm_cluster import SlurmCluster
 
+from dynmo_hpc import config as config_mod
 from dynmo_hpc import runlog
 from dynmo_hpc.cli import main
-from dynmo_hpc.slurm.submit import submit, wait_for_job
+from dynmo_hpc.slurm.submit import make_executor, resolve_for_cluster, submit, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "default.yaml")
@@ -103,6 +105,44 @@ def test_submitit_job_trains_on_four_nodes(cluster_environ: SlurmCluster, tmp_pa
     run_dir = Path(job.submission().args[0]).parent
     assert_trained_on_four_nodes(run_dir, logs)
     assert len(job.result()["losses"]) == 3
+
+
+def wait_for_usr2(ready: str) -> bool:
+    """Job body: say it is ready, then wait up to a minute for SIGUSR2."""
+    got: list[int] = []
+    signal.signal(signal.SIGUSR2, lambda *_: got.append(1))
+    Path(ready).write_text("ready")
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(got)
+
+
+def test_submitit_job_python_gets_the_time_limit_signal(
+    cluster_environ: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``exec python``: the job's Python is the batch shell, so ``--signal=B:USR2@N`` reaches the
+    process the manager runs in (without ``exec``, bash dies of it and the job FAILs).
+
+    A stand-in body instead of the manager: this is about submitit's batch script.
+    """
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the job imports this module
+    cfg = resolve_for_cluster(config_mod.load(JOB, [f"job.out_dir={tmp_path}"]))
+    executor = make_executor(cfg, tmp_path / "submitit", job_name=unique("usr2"))
+    ready = tmp_path / "ready"
+    job = executor.submit(wait_for_usr2, str(ready))
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline, f"job {job.job_id} never started"
+            time.sleep(0.2)
+        # What SLURM does signal_delay_s before the time limit, sent by hand.
+        cluster_environ.run(["scancel", "--batch", "--signal=USR2", job.job_id])
+        state = wait_for_job(job, timeout_s=120)
+    finally:
+        job.cancel(check=False)
+    assert state == "COMPLETED", f"job {job.job_id} ended {state}; log {job.paths.stderr}"
+    assert job.result() is True
 
 
 def test_sbatch_script_trains_on_four_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

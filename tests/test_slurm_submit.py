@@ -39,6 +39,7 @@ from dynmo_hpc.slurm.submit import (
     parse_sweep,
     resolve_for_cluster,
     sbatch_parameters_for,
+    submitit_python,
     sweep_configs,
 )
 
@@ -229,6 +230,8 @@ def test_executor_runs_the_manager_once_with_the_template_allocation(tmp_path: P
     )
     params = executor_parameters(cfg)
     assert params["use_srun"] is False
+    # The job's Python replaces the batch shell, so --signal=B:USR2 reaches it (the manager).
+    assert submitit_python(cfg.slurm) == "exec python"
     text = _make_sbatch_string(
         command="python -u -m submitit.core._submit F", folder=tmp_path, **params
     )
