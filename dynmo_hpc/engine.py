@@ -100,6 +100,8 @@ class PipelineStage:
         self.device = device
         self.num_microbatches = cfg.train.num_microbatches
         self.spec: Spec = activation_spec(cfg, cfg.train.micro_batch_size)
+        self.grad_spec: Spec = {k: v for k, v in self.spec.items() if v[1].is_floating_point}
+        """Gradients travel back only for floating-point payload tensors."""
         self.frozen_prefix_end = 0
         """Layers below this index are all frozen: no backward runs through them (set by the
         scheme controller at step boundaries, the same value on every rank)."""
@@ -170,7 +172,7 @@ class PipelineStage:
     def _backward(self, mb: int, saved: _Saved, stats: StepStats) -> None:
         grads = None
         if self.parts[self.stage + 1] > self.frozen_prefix_end:
-            grads = self.link.recv_backward(mb, self.spec)
+            grads = self.link.recv_backward(mb, self.grad_spec)
         t0 = time.perf_counter()
         scale = 1.0 / self.num_microbatches
         for pos in range(len(self.slots) - 1, -1, -1):
@@ -209,7 +211,7 @@ class PipelineStage:
         stats.compute_s += time.perf_counter() - t0
         if self.parts[self.stage] > self.frozen_prefix_end and self.stage > 0:
             assert grads is not None, f"stage {self.stage} owes its input gradient"
-            self.link.send_backward(mb, self.spec, grads)
+            self.link.send_backward(mb, self.grad_spec, grads)
         self.link.reap_sends()
 
     def run_schedule(self, step: int, actions: list[Action]) -> StepStats:

@@ -127,7 +127,8 @@ def test_submitit_job_python_gets_the_time_limit_signal(
     A stand-in body instead of the manager: this is about submitit's batch script.
     """
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the job imports this module
-    cfg = resolve_for_cluster(config_mod.load(JOB, [f"job.out_dir={tmp_path}"]))
+    overrides = [f"job.out_dir={tmp_path}", "pipeline.num_stages=1"]  # one node, one task
+    cfg = resolve_for_cluster(config_mod.load(JOB, overrides))
     executor = make_executor(cfg, tmp_path / "submitit", job_name=unique("usr2"))
     ready = tmp_path / "ready"
     job = executor.submit(wait_for_usr2, str(ready))
