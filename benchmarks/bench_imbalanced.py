@@ -69,9 +69,13 @@ def main() -> None:
             before = float(tps[(tps.index >= 1) & (tps.index <= first)].median())
             after = float(tps[tps.index > last + 1].median())
             static_after = float(stps[stps.index > last + 1].median())
-            costs = static.layer_costs[static.layer_costs["step"] == static.layer_costs["step"].max()]
+            costs = static.layer_costs[
+                static.layer_costs["step"] == static.layer_costs["step"].max()
+            ]
             total_s = float((costs["forward_s"] + costs["backward_s"]).sum())
-            tokens_per_step = float(dyn.steps["tokens_per_s"].iloc[0] * dyn.steps["step_time_s"].iloc[0])
+            tokens_per_step = float(
+                dyn.steps["tokens_per_s"].iloc[0] * dyn.steps["step_time_s"].iloc[0]
+            )
             ideal = tokens_per_step / (total_s / 2)
             rows.append(
                 {
@@ -80,7 +84,9 @@ def main() -> None:
                     "static": static_after,
                     "ideal": ideal,
                     "parts_before": dyn.parts_at(int(dyn.report_steps()[0])),
-                    "parts_after": json.loads(json.dumps(migrations["detail"].iloc[-1]["new_parts"])),
+                    "parts_after": json.loads(
+                        json.dumps(migrations["detail"].iloc[-1]["new_parts"])
+                    ),
                 }
             )
             print(f"round {rnd + 1}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -91,8 +97,10 @@ def main() -> None:
     print(f"{'dynmo after balancing':<42}{med('after'):>10.0f}")
     print(f"{'static uniform split, same steps':<42}{med('static'):>10.0f}")
     print(f"{'ideal (total layer cost / P)':<42}{med('ideal'):>10.0f}")
-    print(f"after / before: {med('after') / med('before'):.2f}x; after / static: "
-          f"{med('after') / med('static'):.2f}x; after / ideal: {med('after') / med('ideal'):.2f}")
+    print(
+        f"after / before: {med('after') / med('before'):.2f}x; after / static: "
+        f"{med('after') / med('static'):.2f}x; after / ideal: {med('after') / med('ideal'):.2f}"
+    )
 
 
 if __name__ == "__main__":

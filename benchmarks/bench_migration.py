@@ -68,9 +68,13 @@ def rank_main(reps: int) -> None:
                 comm.Recv([buf, MPI.BYTE], source=src, tag=3)
             raw.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         size_bytes = statistics.median(b for b, _ in ours)
-        rows.append((d_model, size_bytes, statistics.median(s for _, s in ours), statistics.median(raw)))
+        rows.append(
+            (d_model, size_bytes, statistics.median(s for _, s in ours), statistics.median(raw))
+        )
     if comm.rank == 0:
-        print(f"{'d_model':>8}{'layer MB':>10}{'migrate GB/s':>14}{'raw Send GB/s':>15}{'ratio':>8}")
+        print(
+            f"{'d_model':>8}{'layer MB':>10}{'migrate GB/s':>14}{'raw Send GB/s':>15}{'ratio':>8}"
+        )
         for d_model, nbytes, ours_s, raw_s in rows:
             print(
                 f"{d_model:>8}{nbytes / 1e6:>10.1f}{nbytes / ours_s / 1e9:>14.2f}"
@@ -91,7 +95,9 @@ def main() -> None:
 
     launcher = LocalMpiLauncher()
     cmd = launcher.command(
-        LaunchSpec(2, [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)])
+        LaunchSpec(
+            2, [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
+        )
     )
     env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING"}
     raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)

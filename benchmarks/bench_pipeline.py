@@ -3,7 +3,8 @@
 Three ways to train the same model, same split, same microbatches:
   1. a single process (dynmo_hpc.reference: all layers, no pipeline);
   2. our engine: 2 MPI ranks, 1F1B;
-  3. torch.distributed.pipelining Schedule1F1B over gloo, 2 ranks (benchmarks/torch_pipelining_rank.py).
+  3. torch.distributed.pipelining Schedule1F1B over gloo, 2 ranks
+     (benchmarks/torch_pipelining_rank.py).
 Each round runs all three back to back; the order rotates between rounds, and figures are medians
 over rounds of per-run medians (the first steps are warm-up and skipped). It prints tokens/s, the
 ratios, and our measured bubble fraction (idle / (idle + compute), from the run log) against the

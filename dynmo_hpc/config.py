@@ -11,6 +11,7 @@ a field of :class:`JobConfig`, and put cross-field checks in its ``validate`` me
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -659,7 +660,7 @@ class JobConfig:
                     f"entries from 0 to {num_layers} (embedding + {self.model.num_layers} "
                     "blocks + head)"
                 )
-            if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
+            if any(b <= a for a, b in itertools.pairwise(parts)):
                 raise ConfigError(
                     f"pipeline.partition={parts} must be strictly increasing: "
                     "every stage needs at least one layer"
@@ -724,6 +725,12 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key}={value!r} must be true or false")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept any Python float literal.
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{source}: {key}={value!r} must be a number") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{source}: {key}={value!r} must be a number")
         return float(value)

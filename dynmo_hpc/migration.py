@@ -184,7 +184,9 @@ def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> Migra
         send_requests.append(comm.Isend(header, dest=move.dst, tag=base))
         send_requests.append(comm.Isend([meta_arr, MPI.BYTE], dest=move.dst, tag=base + 1))
         for k, buf in enumerate(buffers):
-            send_requests.append(comm.Isend([buf.numpy(), MPI.BYTE], dest=move.dst, tag=base + 2 + k))
+            send_requests.append(
+                comm.Isend([buf.numpy(), MPI.BYTE], dest=move.dst, tag=base + 2 + k)
+            )
         bytes_sent += meta_arr.size + sum(b.numel() for b in buffers)
 
     arrived = []

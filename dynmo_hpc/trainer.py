@@ -14,10 +14,12 @@ Runs on every rank of an MPI job (see :mod:`dynmo_hpc.worker`); rank ``r`` is pi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -317,19 +319,26 @@ class Trainer:
                 cfg.model.seq_len,
             )
         interval = cfg.balance.interval
+        stop = _StopRequest()
         try:
+            last_step = cfg.train.steps
             for step in range(cfg.train.steps):
                 self.step(step)
                 if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
                     self._load_report(step)
-            if cfg.train.checkpoint:
-                self.save_checkpoint(cfg.train.steps)
+                if self.comm.allreduce(stop.signum, op=MPI.MAX):
+                    last_step = step + 1
+                    self._preempted(step, stop.signum)
+                    break
+            if cfg.train.checkpoint or last_step < cfg.train.steps:
+                self.save_checkpoint(last_step)
             self.result.parts = list(self.parts)
             if self.rank == 0:
                 checkpoint.atomic_write_text(
                     self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
                 )
         except BaseException as exc:
+            stop.restore()
             if self.writer is not None:
                 self.writer.log_event(
                     step=len(self.result.losses),
@@ -339,9 +348,23 @@ class Trainer:
                 self.writer.close(status="error")
                 self.writer = None
             raise
+        stop.restore()
         if self.writer is not None:
             self.writer.close()
         return self.result
+
+    def _preempted(self, step: int, signum: int) -> None:
+        """SIGUSR2/SIGTERM (SLURM's warning before the time limit or a preemption) arrived."""
+        if self.rank == 0:
+            self.writer.log_event(
+                step=step, kind="preempt", detail={"signal": signum, "completed_steps": step + 1}
+            )
+            log.warning(
+                "signal %d: stopping after step %d of %d and writing a checkpoint",
+                signum,
+                step + 1,
+                self.cfg.train.steps,
+            )
 
     def save_checkpoint(self, step: int) -> Path:
         directory = self.run_dir / "checkpoint"
@@ -365,6 +388,29 @@ class Trainer:
             )
             log.info("checkpoint written to %s", directory)
         return directory
+
+
+class _StopRequest:
+    """Records SIGUSR2/SIGTERM so the step loop can stop at a step boundary, checkpointing.
+
+    A handler only sets a flag: the ranks agree at the next step boundary (an ``allreduce``), so
+    they all stop after the same step and the checkpoint is consistent.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def count_nodes(comm: MPI.Comm) -> int:

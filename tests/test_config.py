@@ -43,7 +43,7 @@ def test_unknown_key_names_key_file_and_valid_keys(tmp_path):
 
 
 def test_unknown_section(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'trian'.*train"):
+    with pytest.raises(ConfigError, match=r"unknown key .trian.*train"):
         config_mod.load(write(tmp_path, "trian: {}\n"))
 
 
@@ -83,9 +83,9 @@ def test_overrides_are_validated_like_the_file(tmp_path):
     path = write(tmp_path, "train:\n  steps: 5\n")
     cfg = config_mod.load(path, ["train.steps=7", "pipeline.partition=[0, 4, 10]"])
     assert cfg.train.steps == 7 and cfg.pipeline.partition == [0, 4, 10]
-    with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
+    with pytest.raises(ConfigError, match=r"unknown key .train.stepz."):
         config_mod.load(path, ["train.stepz=7"])
-    with pytest.raises(ConfigError, match="expected section.key=value"):
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         config_mod.load(path, ["steps=7"])
     with pytest.raises(ConfigError, match="must be an integer"):
         config_mod.load(path, ["train.steps=many"])

@@ -7,6 +7,8 @@ their layer; clipping sums per-layer norms in global order, so the partition doe
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from mpi_helpers import run_job, tiny_config
@@ -41,7 +43,7 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
     for step in log.report_steps():
         parts = log.parts_at(step)
         assert parts[0] == 0 and parts[-1] == moving_cfg.model.num_pipeline_layers
-        assert all(b > a for a, b in zip(parts, parts[1:], strict=False))
+        assert all(b > a for a, b in itertools.pairwise(parts))
     for _, row in migrations.iterrows():
         assert row["detail"]["bytes_moved"] > 0 and row["detail"]["num_moves"] >= 1
 

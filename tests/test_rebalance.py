@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dynmo_hpc.config import BalanceSection
@@ -32,7 +34,7 @@ def test_forced_partition_always_valid_and_different(num_stages):
     for report in range(12):
         new = forced_partition(parts, report)
         assert new != parts and new[0] == 0 and new[-1] == parts[-1]
-        assert all(b > a for a, b in zip(new, new[1:], strict=False))
+        assert all(b > a for a, b in itertools.pairwise(new))
         parts = new
 
 
@@ -58,7 +60,9 @@ def test_decide_moves_when_it_pays_and_keeps_balanced_input():
 
 def test_decide_refuses_when_migration_costs_more_than_it_gains():
     costs = [1.0, 1.0, 1.0, 1.1]
-    slow_link = decide(BalanceSection(algorithm="optimal", interval=1), **kwargs(costs, [0, 1, 4], bandwidth=1.0))
+    slow_link = decide(
+        BalanceSection(algorithm="optimal", interval=1), **kwargs(costs, [0, 1, 4], bandwidth=1.0)
+    )
     assert slow_link.new_parts is None and "keep" in slow_link.detail["reason"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_two_rank_run_log_matches_training(tmp_path):
-    cfg = tiny_config(tmp_path, "train.steps=6", "balance.interval=3", "pipeline.partition=[0, 2, 6]")
+    cfg = tiny_config(
+        tmp_path, "train.steps=6", "balance.interval=3", "pipeline.partition=[0, 2, 6]"
+    )
     result = run_job(cfg)
     log = load(cfg.run_dir / "run.h5")
     assert log.end_status == "ok"
@@ -49,13 +52,26 @@ def test_two_rank_run_log_matches_training(tmp_path):
 
 def test_sigkill_mid_training_leaves_a_readable_log(tmp_path):
     cfg = tiny_config(
-        tmp_path, "train.steps=400", "balance.interval=1", "pipeline.num_stages=2", "job.name=killed"
+        tmp_path,
+        "train.steps=400",
+        "balance.interval=1",
+        "pipeline.num_stages=2",
+        "job.name=killed",
     )
     config_path = prepare_run_dir(cfg)
     h5 = cfg.run_dir / "run.h5"
     proc = subprocess.Popen(
-        [str(ROOT / ".venv/bin/mpiexec") if (ROOT / ".venv/bin/mpiexec").exists() else "mpiexec",
-         "-n", "2", sys.executable, "-m", "mpi4py", "-m", "dynmo_hpc.worker", str(config_path)],
+        [
+            str(ROOT / ".venv/bin/mpiexec") if (ROOT / ".venv/bin/mpiexec").exists() else "mpiexec",
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "dynmo_hpc.worker",
+            str(config_path),
+        ],
         env={**os.environ, **openmpi_env()},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -81,3 +97,51 @@ def test_sigkill_mid_training_leaves_a_readable_log(tmp_path):
     assert log.end_status is None  # never closed
     with h5py.File(h5, "r", swmr=True) as f:
         assert "config_yaml" in f.attrs
+
+
+def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    """SLURM's pre-timeout / preemption signal: all ranks stop after the same step, checkpoint."""
+    cfg = tiny_config(tmp_path, "train.steps=400", "balance.interval=1", "job.name=preempted")
+    config_path = prepare_run_dir(cfg)
+    h5 = cfg.run_dir / "run.h5"
+    mpiexec = ROOT / ".venv/bin/mpiexec"
+    proc = subprocess.Popen(
+        [
+            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "dynmo_hpc.worker",
+            str(config_path),
+        ],
+        env={**os.environ, **openmpi_env()},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        seen = 0
+        while time.time() < deadline and seen < 3:
+            time.sleep(0.5)
+            if h5.exists():
+                try:
+                    seen = len(load(h5).steps)
+                except (OSError, KeyError):
+                    seen = 0
+        assert seen >= 3, "training did not get going"
+        proc.send_signal(signal.SIGUSR2)  # mpiexec forwards it to every rank
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = load(h5)
+    preempt = log.events[log.events["kind"] == "preempt"]
+    assert len(preempt) == 1 and log.end_status == "ok"
+    completed = int(preempt["detail"].iloc[0]["completed_steps"])
+    assert 3 <= completed < 400 and len(log.steps) == completed
+    meta = json.loads((cfg.run_dir / "checkpoint" / "meta.json").read_text())
+    assert meta["step"] == completed
