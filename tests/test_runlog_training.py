@@ -50,62 +50,11 @@ def test_two_rank_run_log_matches_training(tmp_path):
     assert all(os.path.getsize(p) > 1000 for p in report.png_paths.values())
 
 
-def test_sigkill_mid_training_leaves_a_readable_log(tmp_path):
-    cfg = tiny_config(
-        tmp_path,
-        "train.steps=400",
-        "balance.interval=1",
-        "pipeline.num_stages=2",
-        "job.name=killed",
-    )
+def start_training(cfg) -> subprocess.Popen:
+    """Start a 2-rank training run in its own process group (so a test can signal or kill it)."""
     config_path = prepare_run_dir(cfg)
-    h5 = cfg.run_dir / "run.h5"
-    proc = subprocess.Popen(
-        [
-            str(ROOT / ".venv/bin/mpiexec") if (ROOT / ".venv/bin/mpiexec").exists() else "mpiexec",
-            "-n",
-            "2",
-            sys.executable,
-            "-m",
-            "mpi4py",
-            "-m",
-            "dynmo_hpc.worker",
-            str(config_path),
-        ],
-        env={**os.environ, **openmpi_env()},
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 120
-        seen = 0
-        while time.time() < deadline and seen < 5:
-            time.sleep(0.5)
-            if h5.exists():
-                try:
-                    seen = len(load(h5).steps)  # reading while the run writes (SWMR)
-                except (OSError, KeyError):
-                    seen = 0
-        assert seen >= 5, "training did not get going"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    log = load(h5)
-    assert len(log.steps) >= 5
-    assert log.steps["step"].tolist() == list(range(len(log.steps)))
-    assert log.end_status is None  # never closed
-    with h5py.File(h5, "r", swmr=True) as f:
-        assert "config_yaml" in f.attrs
-
-
-def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
-    """SLURM's pre-timeout / preemption signal: all ranks stop after the same step, checkpoint."""
-    cfg = tiny_config(tmp_path, "train.steps=400", "balance.interval=1", "job.name=preempted")
-    config_path = prepare_run_dir(cfg)
-    h5 = cfg.run_dir / "run.h5"
     mpiexec = ROOT / ".venv/bin/mpiexec"
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             str(mpiexec) if mpiexec.exists() else "mpiexec",
             "-n",
@@ -122,17 +71,53 @@ def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def wait_for_steps(h5, num_steps: int, timeout_s: float = 120) -> int:
+    """Poll the run log while the run writes it (SWMR) until it holds ``num_steps`` steps."""
+    deadline = time.time() + timeout_s
+    seen = 0
+    while time.time() < deadline and seen < num_steps:
+        time.sleep(0.5)
+        if h5.exists():
+            try:
+                seen = len(load(h5).steps)
+            except (OSError, KeyError):
+                seen = 0
+    assert seen >= num_steps, f"training did not get going ({seen} steps logged)"
+    return seen
+
+
+def test_sigkill_mid_training_leaves_a_readable_log(tmp_path):
+    cfg = tiny_config(
+        tmp_path,
+        "train.steps=400",
+        "balance.interval=1",
+        "pipeline.num_stages=2",
+        "job.name=killed",
+    )
+    h5 = cfg.run_dir / "run.h5"
+    proc = start_training(cfg)
     try:
-        deadline = time.time() + 120
-        seen = 0
-        while time.time() < deadline and seen < 3:
-            time.sleep(0.5)
-            if h5.exists():
-                try:
-                    seen = len(load(h5).steps)
-                except (OSError, KeyError):
-                    seen = 0
-        assert seen >= 3, "training did not get going"
+        wait_for_steps(h5, 5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    log = load(h5)
+    assert len(log.steps) >= 5
+    assert log.steps["step"].tolist() == list(range(len(log.steps)))
+    assert log.end_status is None  # never closed
+    with h5py.File(h5, "r", swmr=True) as f:
+        assert "config_yaml" in f.attrs
+
+
+def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    """SLURM's pre-timeout / preemption signal: all ranks stop after the same step, checkpoint."""
+    cfg = tiny_config(tmp_path, "train.steps=400", "balance.interval=1", "job.name=preempted")
+    h5 = cfg.run_dir / "run.h5"
+    proc = start_training(cfg)
+    try:
+        wait_for_steps(h5, 3)
         proc.send_signal(signal.SIGUSR2)  # mpiexec forwards it to every rank
         assert proc.wait(timeout=120) == 0
     finally:
