@@ -61,7 +61,8 @@ def load_layer(directory: Path, index: int) -> dict[str, Any]:
             f"checkpoint {directory} has no file for layer {index} ({path.name}); "
             "HINT: the checkpoint is incomplete, restore from an earlier one"
         )
-    return torch.load(path, map_location="cpu", weights_only=True)
+    payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return payload
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
@@ -75,7 +76,8 @@ def read_meta(directory: Path) -> dict[str, Any]:
             f"{directory} has no meta.json: not a complete checkpoint; "
             "HINT: a crash during saving leaves no meta.json, use an earlier checkpoint"
         )
-    return json.loads(path.read_text())
+    meta: dict[str, Any] = json.loads(path.read_text())
+    return meta
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -670,7 +670,7 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -714,7 +714,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}={value!r} must be a mapping")
         return {str(k): _coerce(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping of {tp.__name__} keys")
         return _build(tp, value, f"{key}.", source)
@@ -763,7 +763,7 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     """Build and validate a :class:`JobConfig`; errors are prefixed with ``source``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    cfg = _build(JobConfig, data, "", source)
+    cfg: JobConfig = _build(JobConfig, data, "", source)
     try:
         cfg.validate()
     except ConfigError as exc:

@@ -22,7 +22,7 @@ from .config import DataSection
 
 def default_corpus_text() -> str:
     """CPython's bundled documentation topics, in a stable (sorted) order."""
-    from pydoc_data.topics import topics  # type: ignore[import-not-found]
+    from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
 
