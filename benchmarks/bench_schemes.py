@@ -108,9 +108,7 @@ def print_static_vs_dynmo(pairs: list[tuple[dict, dict]]) -> None:
             f"{dyn['late_tokens_per_s'] / static['late_tokens_per_s']:>7.2f}"
             f"{dyn['num_migrations']:>6}"
         )
-    print(
-        "(costs: thread CPU ms per step of one block; tok/s: median over the 2nd half)"
-    )
+    print("(costs: thread CPU ms per step of one block; tok/s: median over the 2nd half)")
 
 
 def print_runs(summaries: list[dict]) -> None:
