@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.cli import prepare_run_dir  # noqa: E402
-from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, worker_argv  # noqa: E402
+from dynmo_hpc.cli import launch_local  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
 
 
@@ -39,13 +38,10 @@ def train(out_dir: Path, algorithm: str, steps: int) -> Path:
             "train.checkpoint=false",
         ],
     )
-    config_path = prepare_run_dir(cfg)
-    rc = LocalMpiLauncher().run(
-        LaunchSpec(cfg.pipeline.num_stages, worker_argv(config_path)), timeout_s=1800
-    )
+    rc, run_dir = launch_local(cfg, timeout_s=1800)
     if rc:
         raise SystemExit(f"{algorithm} run failed ({rc})")
-    return config_path.parent / "run.h5"
+    return run_dir / "run.h5"
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.cli import prepare_run_dir  # noqa: E402
-from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, openmpi_env, worker_argv  # noqa: E402
+from dynmo_hpc.cli import launch_local, prepare_run_dir  # noqa: E402
+from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, openmpi_env  # noqa: E402
 from dynmo_hpc.reference import train_reference  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
 from dynmo_hpc.schedule import theoretical_bubble_fraction  # noqa: E402
@@ -67,14 +67,12 @@ def run_single(cfg: config_mod.JobConfig) -> float:
 
 
 def run_ours(cfg: config_mod.JobConfig) -> tuple[float, float]:
-    config_path = prepare_run_dir(cfg)
-    spec = LaunchSpec(num_ranks=2, rank_argv=worker_argv(config_path))
-    rc = LocalMpiLauncher().run(spec, timeout_s=900)
+    rc, run_dir = launch_local(cfg, timeout_s=900)
     if rc != 0:
         raise SystemExit(f"our pipeline run failed with exit code {rc}")
-    result = json.loads((config_path.parent / "result.json").read_text())
+    result = json.loads((run_dir / "result.json").read_text())
     tokens_per_s = statistics.median(result["tokens_per_s"][WARMUP_STEPS:])
-    times = load(config_path.parent / "run.h5").stage_times
+    times = load(run_dir / "run.h5").stage_times
     times = times[times["step"] >= WARMUP_STEPS]
     bubble = float(times["idle_s"].sum() / (times["idle_s"].sum() + times["compute_s"].sum()))
     return tokens_per_s, bubble

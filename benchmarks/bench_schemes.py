@@ -34,8 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils import benchmark  # noqa: E402
 
 from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.cli import prepare_run_dir  # noqa: E402
-from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, worker_argv  # noqa: E402
+from dynmo_hpc.cli import launch_local  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
 
 SCHEMES = ["moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"]
@@ -64,13 +63,11 @@ def run_scheme(
     if steps is not None:
         sets.append(f"train.steps={steps}")
     cfg = config_mod.load(job, [*sets, *overrides])
-    config_path = prepare_run_dir(cfg)
-    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
-    rc = LocalMpiLauncher(cfg.runtime.mpi_launcher).run(spec, timeout_s=cfg.runtime.timeout_s)
+    rc, run_dir = launch_local(cfg)
     if rc != 0:
-        raise SystemExit(f"{scheme}: training failed with exit code {rc} ({config_path.parent})")
-    result = json.loads((config_path.parent / "result.json").read_text())
-    log = load(config_path.parent / "run.h5")
+        raise SystemExit(f"{scheme}: training failed with exit code {rc} ({run_dir})")
+    result = json.loads((run_dir / "result.json").read_text())
+    log = load(run_dir / "run.h5")
     costs = log.layer_costs.copy()
     costs["cost_s"] = costs["forward_s"] + costs["backward_s"]
     blocks = costs[(costs["layer"] >= 1) & (costs["layer"] <= cfg.model.num_layers)]

@@ -22,17 +22,22 @@ from .logging_utils import setup_logging
 log = logging.getLogger(__name__)
 
 
-def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("run", help="train a job on local MPI ranks (no SLURM needed)")
-    p.add_argument("job", help="job YAML, e.g. jobs/default.yaml")
+def add_overrides_argument(p: argparse.ArgumentParser, example: str = "train.steps=20") -> None:
+    """The repeatable ``--set SECTION.KEY=VALUE`` option every job command takes."""
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.steps=20",
+        help=f"override a config value (repeatable), e.g. --set {example}",
     )
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="train a job on local MPI ranks (no SLURM needed)")
+    p.add_argument("job", help="job YAML, e.g. jobs/default.yaml")
+    add_overrides_argument(p)
     p.add_argument("--report", action="store_true", help="write the run report when done")
     p.set_defaults(func=cmd_run)
 
@@ -46,25 +51,35 @@ def prepare_run_dir(cfg: config_mod.JobConfig) -> Path:
     return config_path
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    cfg = config_mod.load(args.job, args.overrides)
+def launch_local(cfg: config_mod.JobConfig, timeout_s: float | None = None) -> tuple[int, Path]:
+    """Run ``cfg`` on ``pipeline.num_stages`` local ranks; returns (exit code, run directory).
+
+    A stale ``result.json`` from an earlier run of the same job is removed first, so a result
+    file in the run directory always belongs to this run.
+    """
     launcher = LocalMpiLauncher(cfg.runtime.mpi_launcher)
     config_path = prepare_run_dir(cfg)
-    result_path = config_path.parent / "result.json"
-    result_path.unlink(missing_ok=True)
+    (config_path.parent / "result.json").unlink(missing_ok=True)
+    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
+    rc = launcher.run(spec, timeout_s=cfg.runtime.timeout_s if timeout_s is None else timeout_s)
+    return rc, config_path.parent
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.job, args.overrides)
     print(
         f"dynmo-hpc {__version__}: job '{cfg.job.name}' on {cfg.pipeline.num_stages} local ranks "
-        f"-> {config_path.parent}",
+        f"-> {cfg.run_dir}",
         flush=True,
     )
     t0 = time.perf_counter()
-    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
-    rc = launcher.run(spec, timeout_s=cfg.runtime.timeout_s)
+    rc, run_dir = launch_local(cfg)
+    result_path = run_dir / "result.json"
     elapsed_s = time.perf_counter() - t0
     if rc != 0 or not result_path.is_file():
         print(
             f"error: training failed (exit code {rc}) after {elapsed_s:.1f} s; the failing "
-            f"rank's traceback is above; run directory: {config_path.parent}",
+            f"rank's traceback is above; run directory: {run_dir}",
             file=sys.stderr,
         )
         return rc or 1
@@ -74,13 +89,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{result['losses'][0]:.4f} -> {result['final_loss']:.4f}, "
         f"median {result['median_tokens_per_s']:.0f} tokens/s, final partition {result['parts']}"
     )
-    print(f"run log: {config_path.parent / 'run.h5'}")
+    print(f"run log: {run_dir / 'run.h5'}")
     if cfg.train.checkpoint:
-        print(f"checkpoint: {config_path.parent / 'checkpoint'}")
+        print(f"checkpoint: {run_dir / 'checkpoint'}")
     if args.report:
         from .report import write_report
 
-        report = write_report(config_path.parent / "run.h5", config_path.parent / "report")
+        report = write_report(run_dir / "run.h5", run_dir / "report")
         print(f"report: {report.out_dir} ({len(report.png_paths)} figures)")
     return 0
 

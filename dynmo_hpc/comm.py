@@ -67,19 +67,31 @@ class StageLink:
             )
         return (microbatch * 2 + direction) * _MAX_KEYS + key_index
 
+    # Transport hooks: the MPI buffers here, torch.distributed in TorchDistLink.
+    buffer_on_device = False
+    """Whether receive buffers live on the compute device (else on the host, then copied)."""
+
+    def _post_recv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        return self.comm.Irecv(buf, source=src, tag=tag)
+
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.comm.Isend(tensor, dest=dst, tag=tag)
+
+    def _wait(self, requests: Sequence[Any]) -> float:
+        return wait_quietly(requests)
+
     def _recv(self, src: int | None, microbatch: int, direction: int, spec: Spec) -> Payload | None:
         if src is None:
             return None
+        device = self.device if self.buffer_on_device else torch.device("cpu")
         buffers: Payload = {}
         requests = []
         for i, (name, (shape, dtype)) in enumerate(spec.items()):
-            buf = torch.empty(shape, dtype=dtype)
-            requests.append(
-                self.comm.Irecv(buf, source=src, tag=self._tag(microbatch, direction, i))
-            )
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            requests.append(self._post_recv(buf, src, self._tag(microbatch, direction, i)))
             buffers[name] = buf
-        self.idle_s += wait_quietly(requests)
-        if self.device.type != "cpu":
+        self.idle_s += self._wait(requests)
+        if device != self.device:
             return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
         return buffers
 
@@ -90,11 +102,11 @@ class StageLink:
             return
         for i, name in enumerate(spec):
             tensor = payload[name].detach()
-            if tensor.device.type != "cpu":
+            if not self.buffer_on_device:
                 tensor = tensor.cpu()
             tensor = tensor.contiguous()
-            req = self.comm.Isend(tensor, dest=dst, tag=self._tag(microbatch, direction, i))
-            self._sends.append((req, tensor))  # keep the buffer alive until the send completes
+            request = self._post_send(tensor, dst, self._tag(microbatch, direction, i))
+            self._sends.append((request, tensor))  # keep the buffer alive until it is sent
 
     def recv_forward(self, microbatch: int, spec: Spec) -> Payload | None:
         """Activations from the previous stage; ``None`` on the first stage."""
@@ -112,7 +124,7 @@ class StageLink:
 
     def finish_sends(self) -> None:
         """Complete every outstanding send (end of step: nothing may stay pending)."""
-        self.idle_s += wait_quietly([r for r, _ in self._sends])
+        self.idle_s += self._wait([r for r, _ in self._sends])
         self._sends.clear()
 
     def reap_sends(self) -> None:
@@ -179,40 +191,22 @@ class TorchDistLink(StageLink):
         init_torch_distributed(comm, backend)
         self.backend = backend
 
-    def _wait_works(self, works: Sequence[Any]) -> float:
+    buffer_on_device = True
+
+    def _post_recv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        return self.dist.irecv(buf, src=src, tag=tag)
+
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.dist.isend(tensor, dst=dst, tag=tag)
+
+    def _wait(self, requests: Sequence[Any]) -> float:
         """``wait()`` on each request. Gloo's requests never report completion until waited on
         (measured: ``is_completed()`` stays False), and gloo blocks in the kernel, not in a spin;
         NCCL's ``wait()`` only orders the current CUDA stream after the transfer."""
         t0 = time.perf_counter()
-        for work in works:
-            work.wait()
+        for request in requests:
+            request.wait()
         return time.perf_counter() - t0
-
-    def _recv(self, src: int | None, microbatch: int, direction: int, spec: Spec) -> Payload | None:
-        if src is None:
-            return None
-        buffers: Payload = {}
-        works = []
-        for i, (name, (shape, dtype)) in enumerate(spec.items()):
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(self.dist.irecv(buf, src=src, tag=self._tag(microbatch, direction, i)))
-            buffers[name] = buf
-        self.idle_s += self._wait_works(works)
-        return buffers
-
-    def _send(
-        self, dst: int | None, microbatch: int, direction: int, spec: Spec, payload: Payload
-    ) -> None:
-        if dst is None:
-            return
-        for i, name in enumerate(spec):
-            tensor = payload[name].detach().contiguous()
-            work = self.dist.isend(tensor, dst=dst, tag=self._tag(microbatch, direction, i))
-            self._sends.append((work, tensor))
-
-    def finish_sends(self) -> None:
-        self.idle_s += self._wait_works([w for w, _ in self._sends])
-        self._sends.clear()
 
     def reap_sends(self) -> None:
         """Sends are completed at the end of the step (gloo cannot be polled)."""

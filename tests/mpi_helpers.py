@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.cli import prepare_run_dir
-from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, worker_argv
+from dynmo_hpc.cli import launch_local
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,11 +41,9 @@ def tiny_config(
 
 def run_job(cfg: config_mod.JobConfig, timeout_s: float = 180.0) -> dict[str, Any]:
     """Launch ``cfg`` on ``pipeline.num_stages`` local ranks; returns rank 0's result.json."""
-    config_path = prepare_run_dir(cfg)
-    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
-    rc = LocalMpiLauncher().run(spec, timeout_s=timeout_s)
+    rc, run_dir = launch_local(cfg, timeout_s=timeout_s)
     assert rc == 0, f"job {cfg.job.name} failed with exit code {rc}"
-    return json.loads((config_path.parent / "result.json").read_text())
+    return json.loads((run_dir / "result.json").read_text())
 
 
 def assert_losses_close(got: list[float], want: list[float], rel: float) -> None:

@@ -27,24 +27,12 @@ from pathlib import Path
 
 import pytest
 
+from dynmo_hpc.slurm.scheduler import TERMINAL_STATES
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 UP_TIMEOUT_S = 900.0
 """A fresh machine first installs about 45 MB of packages (about 30 s); allow for slow mirrors."""
-
-TERMINAL_STATES = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "TIMEOUT",
-    }
-)
 
 
 @dataclass(frozen=True)

@@ -39,16 +39,10 @@ from .submit import (
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    from ..cli import add_overrides_argument
+
     p.add_argument("job", help="job YAML, e.g. jobs/default.yaml (its slurm: section)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set slurm.nodes=4 "
-        "--set slurm.partition=gpu",
-    )
+    add_overrides_argument(p, example="slurm.nodes=4 --set slurm.partition=gpu")
     p.add_argument(
         "--wait", action="store_true", help="wait for the job to end; exit 1 unless COMPLETED"
     )
