@@ -19,12 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.runlog import load
 
-from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.cli import launch_local  # noqa: E402
-from dynmo_hpc.runlog import load  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def train(out_dir: Path, algorithm: str, steps: int) -> Path:

@@ -1,8 +1,9 @@
 """Migration throughput against a raw mpi4py send of the same bytes, side by side.
 
-For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.migration (serialise the
-module and its AdamW state, checksum, send, rebuild, verify) and, in the same run, sends the same
-number of bytes with a bare ``comm.Send``. Prints medians over repetitions and the ratio.
+For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration
+(serialise the module and its AdamW state, checksum, send, rebuild, verify) and, in the same run,
+sends the same number of bytes with a bare ``comm.Send``. Prints medians over repetitions and
+the ratio.
 
     .venv/bin/python benchmarks/bench_migration.py [--reps 5]
 (re-launches itself under the venv's mpiexec with 2 ranks)
@@ -19,7 +20,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def rank_main(reps: int) -> None:
@@ -28,17 +28,17 @@ def rank_main(reps: int) -> None:
     from mpi4py import MPI
 
     from dynmo_hpc import config as config_mod
-    from dynmo_hpc.comm import StageLink
-    from dynmo_hpc.data import TextDataset
-    from dynmo_hpc.engine import PipelineStage
-    from dynmo_hpc.migration import migrate
+    from dynmo_hpc.pipeline.comm import StageLink
+    from dynmo_hpc.pipeline.data import TextDataset
+    from dynmo_hpc.pipeline.migration import migrate
+    from dynmo_hpc.pipeline.stage import PipelineStage
 
     comm = MPI.COMM_WORLD
     rows = []
     for d_model in (256, 512, 1024):
         cfg = config_mod.from_dict(
             {
-                "model": {"num_layers": 2, "d_model": d_model, "num_heads": 8, "d_ff": 4 * d_model},
+                "model": {"num_blocks": 2, "d_model": d_model, "num_heads": 8, "d_ff": 4 * d_model},
                 "pipeline": {"num_stages": 2, "partition": [0, 2, 4]},
             }
         )
@@ -91,7 +91,7 @@ def main() -> None:
     if args.rank:
         rank_main(args.reps)
         return
-    from dynmo_hpc.launcher import LaunchSpec, LocalMpiLauncher, openmpi_env
+    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
 
     launcher = LocalMpiLauncher()
     cmd = launcher.command(

@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.runlog import load
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils import benchmark  # noqa: E402
-
-from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.cli import launch_local  # noqa: E402
-from dynmo_hpc.runlog import load  # noqa: E402
 
 SCHEMES = ["moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"]
 BASELINES = {
@@ -70,7 +68,7 @@ def run_scheme(
     log = load(run_dir / "run.h5")
     costs = log.layer_costs.copy()
     costs["cost_s"] = costs["forward_s"] + costs["backward_s"]
-    blocks = costs[(costs["layer"] >= 1) & (costs["layer"] <= cfg.model.num_layers)]
+    blocks = costs[(costs["layer"] >= 1) & (costs["layer"] <= cfg.model.num_blocks)]
     steps_reported = sorted(blocks["step"].unique())
     summary: dict = {"scheme": scheme, "final_loss": result["final_loss"]}
     for label, step in (("start", steps_reported[0]), ("end", steps_reported[-1])):

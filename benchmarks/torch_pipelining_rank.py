@@ -1,6 +1,6 @@
 """Rank program for the baseline: torch.distributed.pipelining's Schedule1F1B over gloo.
 
-Same layers (built by dynmo_hpc.model with the same seed), same split, same microbatches as our
+Same layers (built by dynmo_hpc.model.gpt with the same seed), same split, same microbatches as our
 engine, so the only difference is the pipeline runtime. torch.distributed is bootstrapped from
 MPI (rank 0 broadcasts a free port). Writes {"tokens_per_s": [...], "losses": [...]} to argv[2].
 
@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.data import TextDataset
-from dynmo_hpc.model import MicrobatchContext, build_layer
-from dynmo_hpc.optim import build_optimizer, lr_at, set_lr
-from dynmo_hpc.trainer import initial_partition
+from dynmo_hpc.model.gpt import MicrobatchContext, build_layer
+from dynmo_hpc.model.optim import build_optimizer, lr_at, set_lr
+from dynmo_hpc.pipeline.data import TextDataset
+from dynmo_hpc.pipeline.trainer import initial_partition
 
 
 class StageModule(nn.Module):

@@ -13,6 +13,6 @@ __version__ = "0.1.0"
 
 def submit(config_or_path: Any, **slurm_options: Any) -> Any:
     """Submit a job to SLURM with submitit; see :func:`dynmo_hpc.slurm.submit.submit`."""
-    from .slurm.submit import submit as _submit
+    from dynmo_hpc.slurm.submit import submit as _submit
 
     return _submit(config_or_path, **slurm_options)

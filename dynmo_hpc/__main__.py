@@ -1,3 +1,3 @@
-from .cli import main
+from dynmo_hpc.cli import main
 
 raise SystemExit(main())

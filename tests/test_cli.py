@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_helpers import TINY
+
+from tests.helpers.jobs import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 

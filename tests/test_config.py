@@ -24,7 +24,7 @@ def test_every_shipped_job_loads():
     assert jobs
     for job in jobs:
         cfg = config_mod.load(job)
-        assert cfg.model.num_pipeline_layers >= cfg.pipeline.num_stages
+        assert cfg.model.num_layers >= cfg.pipeline.num_stages
 
 
 def test_defaults_and_frozen():
@@ -57,8 +57,8 @@ def test_unknown_section(tmp_path):
         ("train:\n  num_microbatches: 0\n", r"train.num_microbatches=0 must be >= 1"),
         ("model:\n  d_model: 100\n  num_heads: 3\n", r"d_model\(100\) % model.num_heads\(3\)"),
         (
-            "model:\n  num_layers: 2\npipeline:\n  num_stages: 5\n",
-            r"pipeline.num_stages\(5\) > model.num_layers \+ 2 \(4\)",
+            "model:\n  num_blocks: 2\npipeline:\n  num_stages: 5\n",
+            r"pipeline.num_stages\(5\) > model.num_blocks \+ 2 \(4\)",
         ),
         ("pipeline:\n  num_stages: 2\n  partition: [0, 10, 10]\n", r"strictly increasing"),
         ("pipeline:\n  num_stages: 2\n  partition: [0, 3]\n", r"num_stages \+ 1 = 3 entries"),

@@ -11,10 +11,10 @@ import itertools
 
 import pytest
 import torch
-from mpi_helpers import run_job, tiny_config
 
-from dynmo_hpc.checkpoint import load_layer
+from dynmo_hpc.pipeline.checkpoint import load_layer
 from dynmo_hpc.runlog import load
+from tests.helpers.jobs import run_job, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -42,12 +42,12 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
     # Each report's partition is contiguous, ordered and has no empty stage.
     for step in log.report_steps():
         parts = log.parts_at(step)
-        assert parts[0] == 0 and parts[-1] == moving_cfg.model.num_pipeline_layers
+        assert parts[0] == 0 and parts[-1] == moving_cfg.model.num_layers
         assert all(b > a for a, b in itertools.pairwise(parts))
     for _, row in migrations.iterrows():
         assert row["detail"]["bytes_moved"] > 0 and row["detail"]["num_moves"] >= 1
 
-    for index in range(moving_cfg.model.num_pipeline_layers):
+    for index in range(moving_cfg.model.num_layers):
         a = load_layer(static_cfg.run_dir / "checkpoint", index)
         b = load_layer(moving_cfg.run_dir / "checkpoint", index)
         for name, tensor in a["module"].items():

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi_helpers import assert_losses_close, run_job, tiny_config
 
-from dynmo_hpc.checkpoint import load_layer
-from dynmo_hpc.reference import train_reference
+from dynmo_hpc.pipeline.checkpoint import load_layer
+from dynmo_hpc.pipeline.reference import train_reference
+from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

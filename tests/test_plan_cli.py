@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dynmo_hpc import plan_cli
+from dynmo_hpc.cli import plan as plan_cli
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

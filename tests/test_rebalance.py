@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from dynmo_hpc.config import BalanceSection
-from dynmo_hpc.profiler import CostTracker, IntervalAccumulator
-from dynmo_hpc.rebalance import decide, forced_partition
+from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator
+from dynmo_hpc.pipeline.rebalance import decide, forced_partition
 
 
 def test_interval_accumulator_means_per_layer_steps():
@@ -52,10 +52,10 @@ def kwargs(costs, parts, bandwidth=1e12):
 def test_decide_moves_when_it_pays_and_keeps_balanced_input():
     costs = [1.0, 1.0, 1.0, 5.0]
     plan = decide(BalanceSection(algorithm="optimal"), **kwargs(costs, [0, 2, 4]))
-    assert plan.new_parts == [0, 3, 4] and plan.detail["enact"]
-    assert plan.detail["new_bottleneck_s"] < plan.detail["old_bottleneck_s"]
+    assert plan.parts_to_enact == [0, 3, 4] and plan.enact
+    assert plan.new_bottleneck_s < plan.old_bottleneck_s
     balanced = decide(BalanceSection(algorithm="optimal"), **kwargs([1.0] * 4, [0, 2, 4]))
-    assert balanced.new_parts is None
+    assert balanced.parts_to_enact is None
 
 
 def test_decide_refuses_when_migration_costs_more_than_it_gains():
@@ -63,9 +63,9 @@ def test_decide_refuses_when_migration_costs_more_than_it_gains():
     slow_link = decide(
         BalanceSection(algorithm="optimal", interval=1), **kwargs(costs, [0, 1, 4], bandwidth=1.0)
     )
-    assert slow_link.new_parts is None and "keep" in slow_link.detail["reason"]
+    assert slow_link.parts_to_enact is None and "keep" in slow_link.reason
 
 
 def test_static_never_plans():
     plan = decide(BalanceSection(algorithm="static"), **kwargs([1.0, 9.0], [0, 1, 2]))
-    assert plan.new_parts is None
+    assert plan.parts_to_enact is None

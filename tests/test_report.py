@@ -12,8 +12,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from dynmo_hpc import report
-from dynmo_hpc.runlog import RunLogWriter, load
+from dynmo_hpc.cli import report as report_cli
+from dynmo_hpc.runlog import RunLogWriter, load, report
 
 NUM_LAYERS = 6
 
@@ -63,7 +63,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     path = root / "demo" / "run.h5"
     _write_demo_run(path)
     parser = argparse.ArgumentParser(prog="dynmo-hpc")
-    report.add_parser(parser.add_subparsers(dest="command"))
+    report_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["report", str(path.parent), "--out", str(root / "out")])
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -183,5 +183,5 @@ def test_empty_run_still_reports(tmp_path: Path) -> None:
 
 def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = argparse.Namespace(run_log=tmp_path / "nope.h5", out=None, window_steps=20)
-    assert report.run(args) == 2
+    assert report_cli.run(args) == 2
     assert "no run log" in capsys.readouterr().err

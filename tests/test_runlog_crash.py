@@ -18,8 +18,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from dynmo_hpc.report import summarize
 from dynmo_hpc.runlog import RunLogWriter, load, schema
+from dynmo_hpc.runlog.report import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_STAGES = 3

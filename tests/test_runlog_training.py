@@ -11,12 +11,12 @@ import time
 
 import h5py
 import pytest
-from mpi_helpers import ROOT, run_job, tiny_config
 
-from dynmo_hpc.cli import prepare_run_dir
-from dynmo_hpc.launcher import openmpi_env
-from dynmo_hpc.report import write_report
+from dynmo_hpc.launch.local import openmpi_env
+from dynmo_hpc.launch.rundir import prepare_run_dir
 from dynmo_hpc.runlog import load
+from dynmo_hpc.runlog.report import write_report
+from tests.helpers.jobs import ROOT, run_job, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def start_training(cfg) -> subprocess.Popen:
             "-m",
             "mpi4py",
             "-m",
-            "dynmo_hpc.worker",
+            "dynmo_hpc.launch.worker",
             str(config_path),
         ],
         env={**os.environ, **openmpi_env()},

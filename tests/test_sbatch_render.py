@@ -23,7 +23,7 @@ from dynmo_hpc.slurm import (
     slurm_mpi_env,
     validate_sbatch_options,
 )
-from dynmo_hpc.slurm.sbatch import TEMPLATE_PATH
+from dynmo_hpc.slurm.sbatch import template_text
 
 GOLDEN = Path(__file__).parent / "golden" / "dynmo_job.sbatch"
 
@@ -80,7 +80,7 @@ def test_minimal_script_leaves_optional_flags_out() -> None:
     assert "activate" not in text
     assert "#SBATCH --time=30\n" in text
     assert "#SBATCH --signal=B:USR2@120\n" in text
-    assert text.rstrip().endswith("exec python -m dynmo_hpc.manager c.yaml")
+    assert text.rstrip().endswith("exec python -m dynmo_hpc.launch.manager c.yaml")
     # On a real cluster Open MPI must be free to pick its interconnect.
     assert "OMPI_MCA_btl" not in text
     assert "if_include" not in text
@@ -97,7 +97,7 @@ def test_conda_env_is_activated_and_quoted() -> None:
 
 
 def test_launcher_env_matches_launch_module() -> None:
-    """The script exports exactly what dynmo_hpc.slurm.launch says the launch needs."""
+    """The script exports exactly what dynmo_hpc.slurm.step says the launch needs."""
     for launcher in ("auto", "srun", "mpirun"):
         text = render_sbatch(**MINIMAL, launcher=launcher, mpi_loopback_only=True)
         assert f"export DYNMO_MPI_LAUNCHER={launcher}\n" in text
@@ -107,7 +107,7 @@ def test_launcher_env_matches_launch_module() -> None:
 
 
 def test_template_has_no_hard_coded_paths() -> None:
-    template = TEMPLATE_PATH.read_text()
+    template = template_text()
     for fragment in ("/work", "/home", "/opt", "/usr", ".venv", "/tmp", "/root"):
         assert fragment not in template
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynmo_hpc.schedule import (
+from dynmo_hpc.pipeline.schedule import (
     build_schedule,
     gpipe,
     one_f_one_b,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from test_schemes_common import scheme_config
 
-from dynmo_hpc.data import TextDataset
-from dynmo_hpc.model import MicrobatchContext
-from dynmo_hpc.model import build_layer as base_build_layer
-from dynmo_hpc.schemes import activation_spec, build_layer
-from dynmo_hpc.schemes.early_exit import attend_active
+from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.gpt import build_layer as base_build_layer
+from dynmo_hpc.model.schemes import activation_spec, build_layer
+from dynmo_hpc.pipeline.data import TextDataset
+from tests.helpers.local_pipeline import scheme_config
 
 
 def _batch(cfg, step=0):
@@ -36,7 +35,7 @@ def test_payload_carries_the_active_mask_and_exit_losses(tmp_path):
 
 def test_exited_tokens_are_not_computed_by_later_layers(tmp_path):
     cfg = scheme_config(tmp_path, "early_exit", "schemes.early_exit.threshold=0.0056")
-    layers = [build_layer(cfg, i) for i in range(cfg.model.num_pipeline_layers)]
+    layers = [build_layer(cfg, i) for i in range(cfg.model.num_layers)]
     rows: dict[int, int] = {}
     for i in range(1, 5):
         layers[i].ln_2.register_forward_hook(
@@ -62,7 +61,7 @@ def test_loss_covers_every_token_at_the_layer_it_exited(tmp_path):
     """All tokens exit after block 1: the loss is block 1's exit cross-entropy; nothing else
     runs."""
     cfg = scheme_config(tmp_path, "early_exit", "schemes.early_exit.threshold=0.0")
-    layers = [build_layer(cfg, i) for i in range(cfg.model.num_pipeline_layers)]
+    layers = [build_layer(cfg, i) for i in range(cfg.model.num_layers)]
     calls = []
     layers[2].ln_1.register_forward_hook(lambda *a: calls.append(2))
     layers[5].ln_f.register_forward_hook(lambda *a: calls.append(5))
@@ -78,10 +77,8 @@ def test_loss_covers_every_token_at_the_layer_it_exited(tmp_path):
 
 def test_without_exits_the_model_is_the_plain_model(tmp_path):
     cfg = scheme_config(tmp_path, "early_exit", "schemes.early_exit.threshold=1.0")
-    layers = [build_layer(cfg, i) for i in range(cfg.model.num_pipeline_layers)]
-    plain = [
-        base_build_layer(cfg.model, cfg.job.seed, i) for i in range(cfg.model.num_pipeline_layers)
-    ]
+    layers = [build_layer(cfg, i) for i in range(cfg.model.num_layers)]
+    plain = [base_build_layer(cfg.model, cfg.job.seed, i) for i in range(cfg.model.num_layers)]
     ctx, ctx_plain = _batch(cfg), _batch(cfg)
     _forward(layers, ctx)
     _forward(plain, ctx_plain)
@@ -97,6 +94,6 @@ def test_active_query_attention_equals_full_attention_at_active_positions(tmp_pa
     active = torch.rand(2, 32, generator=gen) < 0.4
     active[1, :3] = True
     b_idx, t_idx = active.nonzero(as_tuple=True)
-    got = attend_active(attn, hn, active, b_idx, t_idx)
+    got = attn.attend_active(hn, active, b_idx, t_idx)
     want = attn(hn)[b_idx, t_idx]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

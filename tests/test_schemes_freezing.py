@@ -5,18 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
-from test_schemes_common import scheme_config, train_local_pipeline
 
 from dynmo_hpc.config import FreezingSection
-from dynmo_hpc.optim import build_optimizer
-from dynmo_hpc.schemes import SchemeController, build_layer, restore_layer
-from dynmo_hpc.schemes.freezing import (
+from dynmo_hpc.model.optim import build_optimizer
+from dynmo_hpc.model.schemes import SchemeController, build_layer, restore_layer
+from dynmo_hpc.model.schemes.freezing import (
     freeze_,
     grad_norm_estimate,
     is_frozen,
     max_prefix_end,
     next_prefix_end,
 )
+from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
 
 
 def test_prefix_grows_front_first_over_converged_layers_only():

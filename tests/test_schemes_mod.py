@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from test_schemes_common import scheme_config
 
-from dynmo_hpc.model import MicrobatchContext
-from dynmo_hpc.schemes import build_layer
-from dynmo_hpc.schemes.blocks import SchemeBlock
-from dynmo_hpc.schemes.mod import tokens_processed
+from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.schemes import build_layer
+from dynmo_hpc.model.schemes.blocks import SchemeBlock
+from dynmo_hpc.model.schemes.mod import tokens_processed
+from tests.helpers.local_pipeline import scheme_config
 
 
 def _ctx() -> MicrobatchContext:

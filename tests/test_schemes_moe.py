@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from test_schemes_common import scheme_config
 
 from dynmo_hpc.config import MoESection
-from dynmo_hpc.model import MicrobatchContext
-from dynmo_hpc.schemes import build_layer
-from dynmo_hpc.schemes.moe import MoEFeedForward, expert_capacity, plan_routing
+from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.schemes import build_layer
+from dynmo_hpc.model.schemes.moe import MoEFeedForward, expert_capacity, plan_routing
+from tests.helpers.local_pipeline import scheme_config
 
 
 def _moe(**kwargs) -> MoEFeedForward:

@@ -11,11 +11,11 @@ four steps; the run log's ``scheme_stats`` events confirm that it did.
 from __future__ import annotations
 
 import pytest
-from mpi_helpers import assert_losses_close, run_job
-from test_schemes_common import SCHEME_OVERRIDES, scheme_config
 
-from dynmo_hpc.reference import train_reference
+from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
+from tests.helpers.jobs import assert_losses_close, run_job
+from tests.helpers.local_pipeline import SCHEME_OVERRIDES, scheme_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -7,14 +7,13 @@ import math
 
 import pytest
 import torch
-from test_schemes_common import scheme_config, train_local_pipeline
 
 from dynmo_hpc.config import PruningSection
-from dynmo_hpc.model import MLP, MicrobatchContext
-from dynmo_hpc.optim import build_optimizer
-from dynmo_hpc.schemes import build_layer, restore_layer
-from dynmo_hpc.schemes.blocks import SchemeBlock
-from dynmo_hpc.schemes.pruning import (
+from dynmo_hpc.model.gpt import MLP, MicrobatchContext
+from dynmo_hpc.model.optim import build_optimizer
+from dynmo_hpc.model.schemes import build_layer, restore_layer
+from dynmo_hpc.model.schemes.blocks import SchemeBlock
+from dynmo_hpc.model.schemes.pruning import (
     HEAD,
     NEURON,
     Candidate,
@@ -24,6 +23,7 @@ from dynmo_hpc.schemes.pruning import (
     layer_sparsity,
     sparsity_at,
 )
+from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
 
 
 def test_cubic_schedule_of_zhu_and_gupta():

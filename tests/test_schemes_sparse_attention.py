@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_schemes_common import scheme_config, train_local_pipeline
 
 from dynmo_hpc.config import SparseAttentionSection
-from dynmo_hpc.schemes import build_layer
-from dynmo_hpc.schemes.sparse_attention import (
+from dynmo_hpc.model.schemes import build_layer
+from dynmo_hpc.model.schemes.sparse_attention import (
     block_sparse_attention,
     blocks_kept_per_row,
     density_at,
     select_key_blocks,
 )
+from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
 
 
 def _qkv(B=2, nh=3, T=64, hs=8, seed=0):

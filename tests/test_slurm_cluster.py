@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-import slurm_cluster as fixture_module
-from slurm_cluster import SlurmCluster
 
+import tests.helpers.slurm_cluster as fixture_module
 from dynmo_hpc.slurm import mpi_step_argv, render_sbatch, slurm_mpi_env
+from tests.helpers.slurm_cluster import SlurmCluster
 
 NODES = ("node1", "node2", "node3", "node4")
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_rendered_sbatch_script_runs_and_forwards_usr2(
         tmp_path / f"dynmo-smoke-{job_id}.err"
     )
     assert state == "COMPLETED", f"job {job_id} ended {state}; output:\n{text}"
-    assert f"argv ['-m', 'dynmo_hpc.manager', '{config}']" in text, text
+    assert f"argv ['-m', 'dynmo_hpc.launch.manager', '{config}']" in text, text
     assert f"venv {VENV}" in text, text
     assert f"nodes {','.join(NODES)}" in text, text
     assert f"MPI_OK 4 10 {','.join(NODES)}" in text, text

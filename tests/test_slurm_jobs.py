@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mpi_helpers import TINY
-from slurm_cluster import SlurmCluster
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc import runlog
 from dynmo_hpc.cli import main
 from dynmo_hpc.slurm.submit import make_executor, resolve_for_cluster, submit, wait_for_job
+from tests.helpers.jobs import TINY
+from tests.helpers.slurm_cluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "default.yaml")

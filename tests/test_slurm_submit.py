@@ -277,7 +277,7 @@ def test_parse_sinfo() -> None:
             r"'nope' is not a partition.*valid: exclusive, shared \(default\)",
         ),
         (
-            ["pipeline.num_stages=5", "model.num_layers=4"],
+            ["pipeline.num_stages=5", "model.num_blocks=4"],
             r"needs 5 node\(s\).*only 4 node\(s\) fit",
         ),
         (["slurm.cpus_per_task=3"], r"slurm.cpus_per_task\(3\) = 3 CPUs"),

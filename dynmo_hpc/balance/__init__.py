@@ -25,12 +25,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from .common import CostsLike, bottleneck, stage_loads
-from .decision import Decision, should_rebalance
-from .diffusion import diffusion, diffusion_trace
-from .moves import Move, plan_moves
-from .optimal import min_capacity, optimal, optimal_bottleneck
-from .static import parameters, uniform
+from dynmo_hpc.balance.common import CostsLike, bottleneck, stage_loads
+from dynmo_hpc.balance.decision import Decision, should_rebalance
+from dynmo_hpc.balance.diffusion import diffusion, diffusion_trace
+from dynmo_hpc.balance.moves import Move, plan_moves
+from dynmo_hpc.balance.optimal import min_capacity, optimal, optimal_bottleneck
+from dynmo_hpc.balance.static import parameters, uniform
 
 #: Algorithm name -> function ``(costs, num_stages, **options) -> parts``.
 ALGORITHMS: dict[str, Callable[..., list[int]]] = {

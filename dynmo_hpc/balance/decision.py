@@ -23,18 +23,33 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from .common import CostsLike, check_parts, check_values, loads_from_prefix, prefix_sums
-from .moves import plan_moves
+from dynmo_hpc.balance.common import (
+    CostsLike,
+    check_parts,
+    check_values,
+    loads_from_prefix,
+    prefix_sums,
+)
+from dynmo_hpc.balance.moves import plan_moves
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
-    """What :func:`should_rebalance` predicted and decided, with the reason in words."""
+    """The one plan type: a candidate partition, what it is predicted to gain and cost, and
+    whether to enact it, with the reason in words (:func:`should_rebalance` makes it; the
+    trainer's rebalance step adds the algorithm that proposed the candidate)."""
 
     enact: bool
     """True: migrate to the new partition now."""
+    old_parts: list[int] = field(default_factory=list)
+    """The partition in force."""
+    new_parts: list[int] = field(default_factory=list)
+    """The candidate partition (equal to ``old_parts`` when nothing would change)."""
+    algorithm: str = ""
+    """What proposed the candidate: a balance algorithm, or ``forced`` (testing)."""
     predicted_gain_s: float
     """Seconds saved until the next check if the new partition is enacted (may be <= 0)."""
     predicted_migration_s: float
@@ -51,6 +66,27 @@ class Decision:
     """Total bytes over all moves."""
     busiest_rank_bytes: float = 0.0
     """Bytes sent or received by the busiest rank: what the migration time is based on."""
+
+    @property
+    def parts_to_enact(self) -> list[int] | None:
+        """The new partition if it is to be enacted, else None."""
+        return list(self.new_parts) if self.enact else None
+
+    def to_event(self) -> dict[str, Any]:
+        """The decision as a run-log event detail (JSON-ready)."""
+        return {
+            "algorithm": self.algorithm,
+            "old_parts": list(self.old_parts),
+            "new_parts": list(self.new_parts),
+            "enact": self.enact,
+            "reason": self.reason,
+            "predicted_gain_s": self.predicted_gain_s,
+            "predicted_migration_s": self.predicted_migration_s,
+            "old_bottleneck_s": self.old_bottleneck_s,
+            "new_bottleneck_s": self.new_bottleneck_s,
+            "num_moves": self.num_moves,
+            "bytes_moved": self.bytes_moved,
+        }
 
 
 def _bytes_of_layers(bytes_per_layer: float | CostsLike, num_layers: int) -> list[float]:
@@ -137,6 +173,8 @@ def should_rebalance(
         )
     return Decision(
         enact=enact,
+        old_parts=list(old),
+        new_parts=list(new),
         predicted_gain_s=gain_s,
         predicted_migration_s=migration_s,
         reason=reason,

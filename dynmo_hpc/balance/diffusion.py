@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .common import CostsLike, check_parts, loads_from_prefix, prefix_sums
-from .optimal import Chain, checked_chain
-from .static import uniform
+from dynmo_hpc.balance.common import CostsLike, check_parts, loads_from_prefix, prefix_sums
+from dynmo_hpc.balance.optimal import Chain, checked_chain
+from dynmo_hpc.balance.static import uniform
 
 
 def _first_crossing(prefix: list[float], a: int, c: int, lo: int, hi: int) -> int:

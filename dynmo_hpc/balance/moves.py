@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .common import check_parts
+from dynmo_hpc.balance.common import check_parts
 
 
 @dataclass(frozen=True, order=True)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .common import (
+from dynmo_hpc.balance.common import (
     CostsLike,
     check_num_stages,
     check_parts,

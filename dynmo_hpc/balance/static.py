@@ -8,8 +8,8 @@ parameter counts), which is exactly why they drift out of balance when the work 
 
 from __future__ import annotations
 
-from .common import CostsLike, check_num_stages, check_values
-from .optimal import Chain
+from dynmo_hpc.balance.common import CostsLike, check_num_stages, check_values
+from dynmo_hpc.balance.optimal import Chain
 
 
 def uniform(costs: CostsLike, num_stages: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The HDF5 run log: one ``runs/<job>/run.h5`` per run, written by rank 0, readable any time.
 
 Write with :class:`RunLogWriter`, read with :func:`load`; the layout is in :mod:`.schema` and
-``docs/runlog.md``, derived numbers in :mod:`.metrics`, figures in :mod:`dynmo_hpc.report`.
+``docs/runlog.md``, derived numbers in :mod:`.metrics`, figures in :mod:`dynmo_hpc.runlog.report`.
 
 ``load`` and ``RunLog`` are imported on first use: they need pandas, which the writer on rank 0
 does not, and every rank's start-up time counts.

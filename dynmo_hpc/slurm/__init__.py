@@ -6,7 +6,7 @@ it is testable without a cluster; the real cluster tests live in ``tests/test_sl
 
 from __future__ import annotations
 
-from .environment import (
+from dynmo_hpc.slurm.environment import (
     SlurmEnv,
     SlurmEnvError,
     expand_hostlist,
@@ -14,8 +14,13 @@ from .environment import (
     in_slurm_job,
     read_slurm_env,
 )
-from .launch import LAUNCHERS, mpi_step_argv, resolve_launcher, slurm_mpi_env
-from .sbatch import SbatchOptionError, render_sbatch, sbatch_parameters, validate_sbatch_options
+from dynmo_hpc.slurm.sbatch import (
+    SbatchOptionError,
+    render_sbatch,
+    sbatch_parameters,
+    validate_sbatch_options,
+)
+from dynmo_hpc.slurm.step import LAUNCHERS, mpi_step_argv, resolve_launcher, slurm_mpi_env
 
 __all__ = [
     "LAUNCHERS",

@@ -27,6 +27,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dynmo_hpc.errors import DynmoError
+
 __all__ = [
     "SlurmEnv",
     "SlurmEnvError",
@@ -37,7 +39,7 @@ __all__ = [
 ]
 
 
-class SlurmEnvError(ValueError):
+class SlurmEnvError(DynmoError, ValueError):
     """The SLURM variables are missing or malformed; the message ends with a ``HINT:``."""
 
 

@@ -5,37 +5,43 @@ signature *is* the list of valid parameters, so a typo in a job file is caught b
 queued (:func:`validate_sbatch_options` lists the valid keys), and the rendered text can be
 compared byte for byte against a golden file without a cluster.
 
-The Jinja2 template (``templates/dynmo_job.sbatch.j2``) holds no paths: the venv, the output
-directory, the config file and the MPI environment all come in as parameters.
+The Jinja2 template (``dynmo_hpc/templates/dynmo_job.sbatch.j2``, package data) holds no paths:
+the venv, the output directory, the config file and the MPI environment all come in as parameters.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import jinja2
 
-from .launch import LAUNCHERS, slurm_mpi_env
+from dynmo_hpc.config.slurm import mem_mb, sbatch_option_problems
+from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.slurm.step import slurm_mpi_env
 
 __all__ = [
-    "TEMPLATE_PATH",
+    "TEMPLATE_NAME",
     "SbatchOptionError",
     "render_sbatch",
     "sbatch_parameters",
     "validate_sbatch_options",
 ]
 
-TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "templates" / "dynmo_job.sbatch.j2"
-"""The repository's template; ``render_sbatch`` reads it on every call (it is tiny)."""
+TEMPLATE_NAME = "dynmo_job.sbatch.j2"
+"""The template, shipped inside the package (``dynmo_hpc/templates/``), so a wheel has it."""
 
 
-class SbatchOptionError(ValueError):
+def template_text() -> str:
+    """The packaged template's text (read through importlib.resources: works from a wheel)."""
+    return (resources.files("dynmo_hpc") / "templates" / TEMPLATE_NAME).read_text()
+
+
+class SbatchOptionError(DynmoError, ValueError):
     """An unknown or impossible sbatch option; the message says what is valid."""
 
 
@@ -62,7 +68,7 @@ def render_sbatch(
     python: str = "python",
     extra_sbatch: Sequence[str] = (),
 ) -> str:
-    """The sbatch script that runs ``python -m dynmo_hpc.manager CONFIG`` in the allocation.
+    """The sbatch script that runs ``python -m dynmo_hpc.launch.manager CONFIG`` in the allocation.
 
     Args:
         job_name: ``--job-name``; also names the log files ``<output_dir>/<job_name>-<id>.out``.
@@ -83,7 +89,7 @@ def render_sbatch(
         modules: environment modules to ``module load``, in order, after ``module purge``.
         launcher: how the manager starts the ranks: ``srun`` (``srun --mpi=pmix``), ``mpirun``
             (the venv's Open MPI ``mpirun``), or ``auto`` (the manager picks; see
-            :mod:`dynmo_hpc.slurm.launch`).
+            :mod:`dynmo_hpc.slurm.step`).
         mpi_loopback_only: pin Open MPI to the ``lo`` interface: True for a cluster whose nodes
             all share one host (the test cluster, ``scripts/slurm_cluster.sh``), False elsewhere.
         python: the interpreter that runs the manager, after activation.
@@ -143,66 +149,17 @@ _SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+@%:/=,-]+$")
 
 def _check(p: Mapping[str, Any]) -> None:
     """Raise SbatchOptionError for anything sbatch would reject or the job could not survive."""
-    problems: list[str] = []
-
-    def need_int(name: str, minimum: int) -> None:
-        value = p[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{name}={value!r} must be an integer")
-        elif value < minimum:
-            problems.append(f"{name}={value} must be >= {minimum}")
-
-    need_int("nodes", 1)
-    need_int("tasks_per_node", 1)
-    need_int("cpus_per_task", 1)
-    need_int("gpus_per_node", 0)
-    need_int("time_min", 1)
-    need_int("signal_delay_s", 0)
-    if not problems and p["signal_delay_s"] >= p["time_min"] * 60:
-        problems.append(
-            f"signal_delay_s={p['signal_delay_s']} is not less than time_min*60="
-            f"{p['time_min'] * 60}: the preemption signal would come before the job starts; "
-            "lower signal_delay_s or raise time_min"
-        )
-    mem_gb = p["mem_gb"]
-    if mem_gb is not None and (
-        isinstance(mem_gb, bool)
-        or not isinstance(mem_gb, int | float)
-        or not math.isfinite(mem_gb)
-        or mem_gb <= 0
-    ):
-        problems.append(f"mem_gb={mem_gb!r} must be a positive number of GB (or None)")
+    problems = sbatch_option_problems(p)
     for name in ("job_name", "config_path", "output_dir", "python"):
         if not isinstance(p[name], str) or not p[name]:
             problems.append(f"{name}={p[name]!r} must be a non-empty string")
-    for name in ("job_name", "output_dir", "partition", "account", "qos"):
+    for name in ("job_name", "output_dir"):
         value = p[name]
         if isinstance(value, str) and value and not _SAFE_WORD.match(value):
             problems.append(
                 f"{name}={value!r} has characters sbatch cannot take in an #SBATCH line "
                 "(spaces, quotes, newlines); use letters, digits and _.+@%:/=,-"
             )
-    if p["venv"] and p["conda_env"]:
-        problems.append(
-            f"venv={p['venv']!r} and conda_env={p['conda_env']!r} are both set; "
-            "the job activates one environment: keep one of them"
-        )
-    if not isinstance(p["mpi_loopback_only"], bool):
-        problems.append(f"mpi_loopback_only={p['mpi_loopback_only']!r} must be true or false")
-    if p["launcher"] not in LAUNCHERS:
-        problems.append(f"launcher={p['launcher']!r} must be one of {', '.join(LAUNCHERS)}")
-    for name in ("modules", "extra_sbatch"):
-        value = p[name]
-        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-            problems.append(f"{name}={value!r} must be a list of strings (not one string)")
-        elif any("\n" in v or not v.strip() for v in value):
-            problems.append(f"{name}={list(value)!r} has an empty entry or a newline")
-    if not problems:
-        for line in p["extra_sbatch"]:
-            if not line.startswith("-"):
-                problems.append(
-                    f"extra_sbatch entry {line!r} must be an sbatch flag such as '--exclusive'"
-                )
     if problems:
         raise SbatchOptionError(
             "invalid sbatch options:\n" + "\n".join(f"  - {m}" for m in problems)
@@ -216,10 +173,9 @@ def _render(p: Mapping[str, Any]) -> str:
         autoescape=False,  # shell, not HTML; values are quoted with `q` where the shell reads them
     )
     env.filters["q"] = lambda value: shlex.quote(str(value))
-    template = env.from_string(TEMPLATE_PATH.read_text())
-    mem_gb = p["mem_gb"]
+    template = env.from_string(template_text())
     context = dict(p)
-    context["mem_mb"] = None if mem_gb is None else math.ceil(mem_gb * 1024)
+    context["mem_mb"] = mem_mb(p["mem_gb"])
     mpi_env = slurm_mpi_env(p["launcher"], loopback_only=p["mpi_loopback_only"])
     context["mpi_env"] = sorted(mpi_env.items())
     return template.render(**context)

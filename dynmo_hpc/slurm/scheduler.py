@@ -11,7 +11,6 @@ knows a finished job for ``MinJobAge`` seconds.
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 import time
@@ -19,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import config as config_mod
-from ..launcher import LaunchError
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.errors import SubmitError
 
 __all__ = [
     "TERMINAL_STATES",
@@ -50,10 +49,6 @@ TERMINAL_STATES = frozenset(
     }
 )
 """Scheduler states after which a job never runs again (without a requeue)."""
-
-
-class SubmitError(LaunchError):
-    """The cluster refused the job, or could not be asked; the message says what to do."""
 
 
 def run_command(
@@ -146,7 +141,7 @@ def check_fits_cluster(cfg: config_mod.JobConfig, partitions: Sequence[Partition
     groups = [p for p in partitions if p.name == wanted]
     nodes = s.num_nodes(cfg.pipeline.num_stages)
     cpus = s.tasks_per_node * s.cpus_per_task
-    mem_mb = None if s.mem_gb is None else math.ceil(s.mem_gb * 1024)
+    mem_mb = config_mod.mem_mb(s.mem_gb)
     fitting = sum(
         g.num_nodes
         for g in groups

@@ -1,6 +1,6 @@
 """Submit a job to SLURM with submitit: validate everything first, then queue the job manager.
 
-The contract (the rendered-sbatch path in :mod:`dynmo_hpc.slurm.cli` keeps the same one):
+The contract (the rendered-sbatch path, ``dynmo-hpc sbatch``, keeps the same one):
 
 * **Validate before anything is queued.** The config (with ``--set`` overrides and SLURM options)
   is loaded strictly, every sweep point included; the request is then checked against the
@@ -8,7 +8,7 @@ The contract (the rendered-sbatch path in :mod:`dynmo_hpc.slurm.cli` keeps the s
   partition, too many nodes, or more CPUs, memory or GPUs per node than the nodes have is an
   error that lists what is valid. A bad job never waits in a queue only to be rejected.
 * **The job manager runs once in the allocation** (submitit's ``use_srun=False``) while the job
-  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.manager`).
+  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.launch.manager`).
 * **Status:** :func:`wait_for_job` returns the final scheduler state (``COMPLETED``,
   ``FAILED``, ``TIMEOUT``, ...) from sacct; ``job.paths.stdout``/``stderr`` are the logs.
 * **Cancel:** ``job.cancel()``.
@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import re
 import shlex
 import sys
@@ -32,8 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .. import config as config_mod
-from .scheduler import TERMINAL_STATES, SubmitError, check_fits_cluster, query_partitions
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.launch.manager import run_manager
+from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.slurm.scheduler import (
+    TERMINAL_STATES,
+    SubmitError,
+    check_fits_cluster,
+    query_partitions,
+)
 
 if TYPE_CHECKING:
     import submitit
@@ -176,24 +183,14 @@ def sweep_configs(
     for index, point in enumerate(itertools.product(*(sweep[k] for k in keys))):
         point_data = copy.deepcopy(dict(data))
         for key, value in zip(keys, point, strict=True):
-            _set_path(point_data, key.split("."), copy.deepcopy(value), key)
+            config_mod.set_dotted(point_data, key, copy.deepcopy(value), "sweep key")
         label = "-".join(f"{k.split('.')[-1]}{_label(v)}" for k, v in zip(keys, point, strict=True))
-        _set_path(point_data, ["job", "name"], f"{base}-{index}-{label}", "job.name")
+        config_mod.set_dotted(point_data, "job.name", f"{base}-{index}-{label}", "sweep key")
         point_source = (
             f"{source} [sweep {', '.join(f'{k}={v!r}' for k, v in zip(keys, point, strict=True))}]"
         )
         configs.append(config_mod.from_dict(point_data, source=point_source))
     return configs
-
-
-def _set_path(data: dict[str, Any], path: list[str], value: Any, key: str) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise config_mod.ConfigError(f"sweep key {key!r}: '{part}' is not a section")
-        node = child
-    node[path[-1]] = value
 
 
 def resolve_for_cluster(cfg: config_mod.JobConfig) -> config_mod.JobConfig:
@@ -233,28 +230,12 @@ def submitit_python(slurm: config_mod.SlurmSection) -> str:
 
 def sbatch_parameters_for(cfg: config_mod.JobConfig, config_path: Path) -> dict[str, Any]:
     """``render_sbatch`` keyword arguments for a (resolved) job; logs go to its run directory."""
-    s = cfg.slurm
     return {
         "job_name": cfg.job.name,
         "config_path": str(config_path),
         "output_dir": str(cfg.run_dir),
-        "nodes": s.num_nodes(cfg.pipeline.num_stages),
-        "tasks_per_node": s.tasks_per_node,
-        "gpus_per_node": s.gpus_per_node,
-        "cpus_per_task": s.cpus_per_task,
-        "time_min": s.time_min,
-        "partition": s.partition,
-        "account": s.account,
-        "qos": s.qos,
-        "mem_gb": s.mem_gb,
-        "signal_delay_s": s.signal_delay_s,
-        "venv": s.venv,
-        "conda_env": s.conda_env,
-        "modules": list(s.modules),
-        "launcher": s.launcher,
-        "mpi_loopback_only": s.loopback_only,
-        "python": _python(s),
-        "extra_sbatch": list(s.extra_sbatch),
+        "python": _python(cfg.slurm),
+        **cfg.slurm.sbatch_options(cfg.pipeline.num_stages),
     }
 
 
@@ -282,24 +263,25 @@ def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
                 "HINT: write it as --name or --name=value, e.g. --constraint=a100"
             )
         additional[name[2:]] = value if sep else True
+    o = s.sbatch_options(cfg.pipeline.num_stages)
     params: dict[str, Any] = {
         "job_name": cfg.job.name,
-        "nodes": s.num_nodes(cfg.pipeline.num_stages),
-        "ntasks_per_node": s.tasks_per_node,
-        "cpus_per_task": s.cpus_per_task,
-        "time": s.time_min,
-        "signal_delay_s": s.signal_delay_s,
+        "nodes": o["nodes"],
+        "ntasks_per_node": o["tasks_per_node"],
+        "cpus_per_task": o["cpus_per_task"],
+        "time": o["time_min"],
+        "signal_delay_s": o["signal_delay_s"],
         "use_srun": False,
         "setup": setup,
         "additional_parameters": additional,
     }
-    if s.gpus_per_node:
-        params["gpus_per_node"] = s.gpus_per_node
+    if o["gpus_per_node"]:
+        params["gpus_per_node"] = o["gpus_per_node"]
     for name in ("partition", "account", "qos"):
-        if getattr(s, name) is not None:
-            params[name] = getattr(s, name)
-    if s.mem_gb is not None:
-        params["mem"] = f"{math.ceil(s.mem_gb * 1024)}M"
+        if o[name] is not None:
+            params[name] = o[name]
+    if o["mem_gb"] is not None:
+        params["mem"] = f"{config_mod.mem_mb(o['mem_gb'])}M"
     return params
 
 
@@ -325,9 +307,6 @@ def run_in_allocation(config_path: str, launcher: str, loopback_only: bool) -> d
     Raising on a failed step makes the job FAILED in SLURM (submitit exits non-zero), so sacct and
     ``job.state`` tell the truth.
     """
-    from ..logging_utils import setup_logging
-    from ..manager import run_manager
-
     setup_logging(0)
     rc = run_manager(config_path, launcher=launcher, loopback_only=loopback_only)
     run_dir = Path(config_path).parent
@@ -367,8 +346,6 @@ def submit(
         SubmitError: the cluster could not be asked, or sbatch refused the job.
     """
     import submitit
-
-    from ..cli import prepare_run_dir
 
     data, source = load_job(config_or_path, overrides, slurm_options)
     if sweep:

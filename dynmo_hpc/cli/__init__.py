@@ -1,0 +1,48 @@
+"""``dynmo-hpc``: run jobs locally, plan partitions, report on run logs, submit to SLURM.
+
+One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
+:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``). The CLI
+is the only place that parses argv or prints; everything it calls logs or returns values, and
+nothing outside this package imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`,
+a missing file) becomes one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dynmo_hpc import __version__
+from dynmo_hpc.cli import plan, report, run, slurm
+from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.logging_utils import setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dynmo-hpc`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="dynmo-hpc",
+        description="Balanced pipeline-parallel training of dynamic LLMs (DynMo).",
+    )
+    parser.add_argument("--version", action="version", version=f"dynmo-hpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run.add_parser(sub)
+    plan.add_parser(sub)
+    report.add_parser(sub)
+    slurm.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dynmo-hpc`` console script."""
+    setup_logging(0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (DynmoError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,58 @@
+"""``dynmo-hpc run JOB.yaml``: train on local MPI ranks, then optionally write the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dynmo_hpc import __version__
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.launch.local import launch_local
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``run`` subcommand."""
+    p = sub.add_parser("run", help="train a job on local MPI ranks (no SLURM needed)")
+    p.add_argument("job", help="job YAML, e.g. jobs/default.yaml")
+    add_overrides_argument(p)
+    p.add_argument("--report", action="store_true", help="write the run report when done")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train the job on ``pipeline.num_stages`` local ranks; print the outcome."""
+    cfg = config_mod.load(args.job, args.overrides)
+    print(
+        f"dynmo-hpc {__version__}: job '{cfg.job.name}' on {cfg.pipeline.num_stages} local ranks "
+        f"-> {cfg.run_dir}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rc, run_dir = launch_local(cfg)
+    result_path = run_dir / "result.json"
+    elapsed_s = time.perf_counter() - t0
+    if rc != 0 or not result_path.is_file():
+        print(
+            f"error: training failed (exit code {rc}) after {elapsed_s:.1f} s; the failing "
+            f"rank's traceback is above; run directory: {run_dir}",
+            file=sys.stderr,
+        )
+        return rc or 1
+    result = json.loads(result_path.read_text())
+    print(
+        f"done in {elapsed_s:.1f} s: {len(result['losses'])} steps, loss "
+        f"{result['losses'][0]:.4f} -> {result['final_loss']:.4f}, "
+        f"median {result['median_tokens_per_s']:.0f} tokens/s, final partition {result['parts']}"
+    )
+    print(f"run log: {run_dir / 'run.h5'}")
+    if cfg.train.checkpoint:
+        print(f"checkpoint: {run_dir / 'checkpoint'}")
+    if args.report:
+        from dynmo_hpc.runlog.report import write_report
+
+        report = write_report(run_dir / "run.h5", run_dir / "report")
+        print(f"report: {report.out_dir} ({len(report.png_paths)} figures)")
+    return 0

@@ -1,0 +1,81 @@
+"""The whole job: every section, plus the checks that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dynmo_hpc.config.schemes import SchemesSection
+from dynmo_hpc.config.sections import (
+    BalanceSection,
+    DataSection,
+    JobSection,
+    ModelSection,
+    PipelineSection,
+    RuntimeSection,
+    TrainSection,
+)
+from dynmo_hpc.config.slurm import SlurmSection
+from dynmo_hpc.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    schemes: SchemesSection = field(default_factory=SchemesSection)
+    slurm: SlurmSection = field(default_factory=SlurmSection)
+    """SLURM submission settings; local runs ignore them."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.micro_batch_size * self.train.num_microbatches * self.model.seq_len
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.out_dir) / self.job.name
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        self.schemes.validate_for(self.model)
+        self.slurm.validate_for(self.pipeline)
+        num_layers = self.model.num_layers
+        num_stages = self.pipeline.num_stages
+        if num_stages > num_layers:
+            raise ConfigError(
+                f"pipeline.num_stages({num_stages}) > model.num_blocks + 2 ({num_layers}) "
+                "(embedding + blocks + head); every stage needs at least one layer: "
+                "lower pipeline.num_stages or raise model.num_blocks"
+            )
+        parts = self.pipeline.partition
+        if parts is not None:
+            if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != num_layers:
+                raise ConfigError(
+                    f"pipeline.partition={parts} must have num_stages + 1 = {num_stages + 1} "
+                    f"entries from 0 to {num_layers} (embedding + {self.model.num_blocks} "
+                    "blocks + head)"
+                )
+            if any(b <= a for a, b in itertools.pairwise(parts)):
+                raise ConfigError(
+                    f"pipeline.partition={parts} must be strictly increasing: "
+                    "every stage needs at least one layer"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False))

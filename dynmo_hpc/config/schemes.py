@@ -1,0 +1,312 @@
+"""Scheme sections: one optional sub-section per dynamic scheme under ``schemes:`` (absent = off).
+
+Layer lists name global layer indices of blocks (1..num_blocks; 0 is the embedding and
+num_blocks + 1 the head), so they mean the same thing on any partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from dynmo_hpc.config.sections import ModelSection
+from dynmo_hpc.errors import ConfigError
+
+
+def _check_block_layers(key: str, layers: list[int] | None, num_blocks: int) -> None:
+    """Scheme layer lists name global layer indices of blocks: 1..num_blocks."""
+    if layers is None:
+        return
+    if not layers:
+        raise ConfigError(f"{key}=[] selects no block; list block indices or use null for all")
+    bad = [i for i in layers if not 1 <= i <= num_blocks]
+    if bad:
+        raise ConfigError(
+            f"{key} has {bad} outside the blocks 1..{num_blocks} (0 is the embedding, "
+            f"{num_blocks + 1} the head); list global layer indices of blocks"
+        )
+    if len(set(layers)) != len(layers) or sorted(layers) != layers:
+        raise ConfigError(f"{key}={layers} must be strictly increasing, without repeats")
+
+
+def _num_selected(layers: list[int] | None, default: list[int]) -> int:
+    return len(layers) if layers is not None else len(default)
+
+
+def every_other_block(num_blocks: int) -> list[int]:
+    """Blocks 2, 4, ...: the Mixture-of-Depths default (Raposo et al. route every other block)."""
+    return list(range(2, num_blocks + 1, 2)) or [1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESection:
+    layers: list[int] | None = None
+    """Global layer indices (1..num_blocks) of blocks whose feed-forward is a mixture of
+    experts; null = every block."""
+    num_experts: int = 4
+    """Experts per MoE block (E)."""
+    top_k: int = 2
+    """Experts each token is routed to (k <= E)."""
+    capacity_factor: float = 1.25
+    """Expert capacity = ceil(capacity_factor * top_k * tokens / num_experts), where tokens is
+    the number of tokens the block sees in one microbatch."""
+    overflow: Literal["drop", "reroute"] = "drop"
+    """Assignments over an expert's capacity: drop (the residual carries the token) or reroute to
+    the token's next-ranked expert that still has room (dropped only when none has)."""
+    d_ff_expert: int | None = None
+    """Hidden width of each expert; null = the block's dense width (model.d_ff / layer_d_ff)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch load-balancing loss E * sum_e f_e * P_e added per MoE block."""
+
+    def validate(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"schemes.moe.top_k={self.top_k}, num_experts={self.num_experts}: "
+                "need 1 <= top_k <= num_experts"
+            )
+        if self.capacity_factor <= 0:
+            raise ConfigError(
+                f"schemes.moe.capacity_factor={self.capacity_factor} must be > 0 "
+                "(1.0 = exactly an even share per expert)"
+            )
+        if self.d_ff_expert is not None and self.d_ff_expert < 1:
+            raise ConfigError(f"schemes.moe.d_ff_expert={self.d_ff_expert} must be >= 1 or null")
+        if self.aux_loss_weight < 0:
+            raise ConfigError(f"schemes.moe.aux_loss_weight={self.aux_loss_weight} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruningSection:
+    final_sparsity: float = 0.75
+    """Fraction of the prunable structures (feed-forward neurons, attention heads) removed by
+    end_step (s_f in Zhu & Gupta 2017)."""
+    initial_sparsity: float = 0.0
+    """Sparsity of the first pruning step at start_step (s_i)."""
+    start_step: int = 0
+    """First optimizer step after which pruning runs (t_0)."""
+    end_step: int = 40
+    """Step at which the final sparsity is reached (t_0 + n * interval_steps)."""
+    interval_steps: int = 5
+    """Steps between pruning events (delta t)."""
+    layers: list[int] | None = None
+    """Blocks that may be pruned (global indices 1..num_blocks); null = every block."""
+    prune_heads: bool = True
+    """Prune whole attention heads (global ranking of heads by weight magnitude)."""
+    prune_neurons: bool = True
+    """Prune whole feed-forward neurons, experts' included (global ranking of neurons)."""
+    min_heads: int = 1
+    """Heads every pruned block keeps."""
+    min_neurons: int = 1
+    """Neurons every feed-forward (or expert) keeps."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.initial_sparsity <= self.final_sparsity < 1.0:
+            raise ConfigError(
+                f"schemes.pruning.initial_sparsity={self.initial_sparsity}, "
+                f"final_sparsity={self.final_sparsity}: need 0 <= initial <= final < 1"
+            )
+        if self.start_step < 0 or self.interval_steps < 1 or self.end_step < self.start_step:
+            raise ConfigError(
+                f"schemes.pruning.start_step={self.start_step}, end_step={self.end_step}, "
+                f"interval_steps={self.interval_steps}: need 0 <= start_step <= end_step and "
+                "interval_steps >= 1"
+            )
+        if (self.end_step - self.start_step) % self.interval_steps:
+            raise ConfigError(
+                f"schemes.pruning: end_step({self.end_step}) - start_step({self.start_step}) "
+                f"is not a multiple of interval_steps({self.interval_steps}); the schedule "
+                "reaches final_sparsity at start_step + n * interval_steps"
+            )
+        if not (self.prune_heads or self.prune_neurons):
+            raise ConfigError(
+                "schemes.pruning: prune_heads and prune_neurons are both false; enable one "
+                "or remove the pruning section"
+            )
+        if self.min_heads < 1 or self.min_neurons < 1:
+            raise ConfigError("schemes.pruning.min_heads and min_neurons must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FreezingSection:
+    threshold: float = 0.05
+    """A layer has converged when its gradient norm changed by less than this fraction between
+    two checks (AutoFreeze's criterion)."""
+    interval_steps: int = 5
+    """Steps between convergence checks."""
+    start_step: int = 10
+    """No layer freezes before this many steps have run."""
+    max_layers_per_check: int = 1
+    """At most this many more layers join the frozen prefix per check."""
+    max_frozen_layers: int | None = None
+    """Cap on the frozen prefix length; null = every layer but the head."""
+
+    def validate(self) -> None:
+        if self.threshold < 0 or self.interval_steps < 1 or self.start_step < 0:
+            raise ConfigError(
+                f"schemes.freezing.threshold={self.threshold}, interval_steps="
+                f"{self.interval_steps}, start_step={self.start_step}: need threshold >= 0, "
+                "interval_steps >= 1, start_step >= 0"
+            )
+        if self.max_layers_per_check < 1:
+            raise ConfigError(
+                f"schemes.freezing.max_layers_per_check={self.max_layers_per_check} must be >= 1"
+            )
+        if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
+            raise ConfigError(
+                f"schemes.freezing.max_frozen_layers={self.max_frozen_layers} must be >= 0"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseAttentionSection:
+    block_size: int = 16
+    """Tokens per attention block; must divide model.seq_len."""
+    density: float = 0.5
+    """Fraction of the causal key blocks each query block keeps (its own block always counts)."""
+    layer_density: list[float] | None = None
+    """One density per selected block (per entry of layers, or per block when layers is null);
+    overrides density."""
+    layers: list[int] | None = None
+    """Blocks with sparse attention (global indices 1..num_blocks); null = every block."""
+    drift_factor: float = 1.0
+    """Every layer's density is multiplied by a factor moving linearly from 1 at
+    drift_start_step to drift_factor at drift_end_step (1 = no drift)."""
+    drift_start_step: int = 0
+    """Step at which the density starts to drift."""
+    drift_end_step: int = 0
+    """Step at which the drift reaches drift_factor."""
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"schemes.sparse_attention.block_size={self.block_size} must be >= 1")
+        densities = [self.density, *(self.layer_density or [])]
+        if any(not 0.0 < d <= 1.0 for d in densities):
+            raise ConfigError(f"schemes.sparse_attention densities {densities} must be in (0, 1]")
+        if self.drift_factor <= 0 or not 0 <= self.drift_start_step <= self.drift_end_step:
+            raise ConfigError(
+                f"schemes.sparse_attention.drift_factor={self.drift_factor}, drift_start_step="
+                f"{self.drift_start_step}, drift_end_step={self.drift_end_step}: need "
+                "drift_factor > 0 and 0 <= drift_start_step <= drift_end_step"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyExitSection:
+    layers: list[int] | None = None
+    """Blocks with an exit head (global indices 1..num_blocks); null = every block but the last."""
+    threshold: float = 0.9
+    """A token exits after an exit block when the exit head's top softmax probability is at least
+    this (CALM's softmax-response confidence)."""
+    start_step: int = 0
+    """Tokens start to exit once this many steps have run (exit heads train from step 0)."""
+    exit_loss_weight: float = 0.1
+    """Weight of each exit head's cross-entropy over the tokens that reach it."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"schemes.early_exit.threshold={self.threshold} must be in [0, 1]")
+        if self.start_step < 0 or self.exit_loss_weight < 0:
+            raise ConfigError("schemes.early_exit.start_step and exit_loss_weight must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoDSection:
+    layers: list[int] | None = None
+    """Blocks with a Mixture-of-Depths router (global indices 1..num_blocks); null = every
+    other block (2, 4, ...)."""
+    capacity: float = 0.125
+    """Fraction of each sequence's tokens a routed block processes (the rest skip it)."""
+    layer_capacity: list[float] | None = None
+    """One capacity per selected block (per entry of layers, or per block of the default);
+    overrides capacity."""
+
+    def validate(self) -> None:
+        capacities = [self.capacity, *(self.layer_capacity or [])]
+        if any(not 0.0 < c <= 1.0 for c in capacities):
+            raise ConfigError(f"schemes.mod capacities {capacities} must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchemesSection:
+    moe: MoESection | None = None
+    """Mixture of Experts feed-forward; absent = off."""
+    pruning: PruningSection | None = None
+    """Gradual structured magnitude pruning; absent = off."""
+    freezing: FreezingSection | None = None
+    """Progressive front-first layer freezing; absent = off."""
+    sparse_attention: SparseAttentionSection | None = None
+    """Dynamic block-sparse causal attention; absent = off."""
+    early_exit: EarlyExitSection | None = None
+    """Per-token early exit with exit heads; absent = off."""
+    mod: MoDSection | None = None
+    """Mixture of Depths token routing; absent = off."""
+
+    @property
+    def enabled(self) -> list[str]:
+        """Names of the schemes switched on, in declaration order."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def validate(self) -> None:
+        for name in self.enabled:
+            getattr(self, name).validate()
+        if self.early_exit is not None:
+            for other in ("mod", "sparse_attention"):
+                if getattr(self, other) is not None:
+                    raise ConfigError(
+                        f"schemes.early_exit and schemes.{other} are both on; early-exit blocks "
+                        "attend with a ragged set of queries, which neither composes with; "
+                        "enable one of them"
+                    )
+
+    def validate_for(self, model: ModelSection) -> None:
+        """Checks that need the model: layer indices, per-layer list lengths, block sizes."""
+        n = model.num_blocks
+        blocks = list(range(1, n + 1))
+        if self.moe is not None:
+            _check_block_layers("schemes.moe.layers", self.moe.layers, n)
+        if self.pruning is not None:
+            _check_block_layers("schemes.pruning.layers", self.pruning.layers, n)
+            if self.pruning.min_heads > model.num_heads:
+                raise ConfigError(
+                    f"schemes.pruning.min_heads({self.pruning.min_heads}) > model.num_heads"
+                    f"({model.num_heads}); lower min_heads"
+                )
+        max_frozen = self.freezing.max_frozen_layers if self.freezing is not None else None
+        if max_frozen is not None and max_frozen > n + 1:
+            raise ConfigError(
+                f"schemes.freezing.max_frozen_layers({max_frozen}) > "
+                f"model.num_blocks + 1 ({n + 1}); the head never freezes"
+            )
+        sa = self.sparse_attention
+        if sa is not None:
+            _check_block_layers("schemes.sparse_attention.layers", sa.layers, n)
+            if model.seq_len % sa.block_size:
+                raise ConfigError(
+                    f"model.seq_len({model.seq_len}) % schemes.sparse_attention.block_size"
+                    f"({sa.block_size}) != 0; choose a block size dividing seq_len"
+                )
+            count = _num_selected(sa.layers, blocks)
+            if sa.layer_density is not None and len(sa.layer_density) != count:
+                raise ConfigError(
+                    f"schemes.sparse_attention.layer_density has {len(sa.layer_density)} "
+                    f"entries for {count} selected blocks; give one per selected block"
+                )
+        if self.early_exit is not None:
+            _check_block_layers("schemes.early_exit.layers", self.early_exit.layers, n)
+        if self.mod is not None:
+            _check_block_layers("schemes.mod.layers", self.mod.layers, n)
+            count = _num_selected(self.mod.layers, every_other_block(n))
+            if self.mod.layer_capacity is not None and len(self.mod.layer_capacity) != count:
+                raise ConfigError(
+                    f"schemes.mod.layer_capacity has {len(self.mod.layer_capacity)} entries "
+                    f"for {count} selected blocks; give one per selected block"
+                )
+            if sa is not None:
+                both = set(self.mod.layers or every_other_block(n)) & set(sa.layers or blocks)
+                if both:
+                    raise ConfigError(
+                        f"blocks {sorted(both)} are in both schemes.mod.layers and "
+                        "schemes.sparse_attention.layers; routed blocks attend densely over "
+                        "their selected tokens: make the two layer lists disjoint"
+                    )

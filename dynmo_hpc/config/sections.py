@@ -1,0 +1,205 @@
+"""The job's core sections: job, model, data, train, pipeline, runtime, balance.
+
+Each is a frozen keyword-only dataclass with a docstring under every field; ``validate`` holds
+the section's own checks (cross-section checks live in :class:`~dynmo_hpc.config.job.JobConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from dynmo_hpc.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSection:
+    name: str = "default"
+    """Job name; the run directory is ``<out_dir>/<name>``."""
+    seed: int = 1337
+    """Seed for weights (per global layer index) and for batches (per step)."""
+    out_dir: str = "runs"
+    """Directory under which ``<name>/`` holds the config, checkpoint and run log."""
+
+    def validate(self) -> None:
+        if not self.name or any(c in self.name for c in "/\\ "):
+            raise ConfigError(
+                f"job.name={self.name!r} must be a non-empty name without '/', '\\' or spaces"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    num_blocks: int = 8
+    """Transformer blocks. The pipeline places num_blocks + 2 layers: embedding, blocks, head."""
+    d_model: int = 128
+    """Residual stream width."""
+    num_heads: int = 4
+    """Attention heads; must divide d_model."""
+    d_ff: int = 512
+    """Feed-forward hidden width (4 * d_model in GPT-2)."""
+    seq_len: int = 128
+    """Context length in tokens (bytes)."""
+    vocab_size: int = 256
+    """Byte-level tokens: 256."""
+    layer_d_ff: list[int] | None = None
+    """Optional per-block feed-forward widths (length num_blocks) to build an imbalanced model."""
+
+    @property
+    def num_layers(self) -> int:
+        """Embedding + blocks + head: the units the partitioner places."""
+        return self.num_blocks + 2
+
+    def block_d_ff(self, layer: int) -> int:
+        """Feed-forward width of the block at global layer index ``layer`` (1..num_blocks)."""
+        return self.layer_d_ff[layer - 1] if self.layer_d_ff is not None else self.d_ff
+
+    def validate(self) -> None:
+        for key in ("num_blocks", "d_model", "num_heads", "d_ff", "seq_len", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"model.d_model({self.d_model}) % model.num_heads({self.num_heads}) != 0; "
+                "choose num_heads dividing d_model"
+            )
+        if self.vocab_size < 256:
+            raise ConfigError(
+                f"model.vocab_size={self.vocab_size} < 256; byte-level tokens need 256"
+            )
+        if self.layer_d_ff is not None:
+            if len(self.layer_d_ff) != self.num_blocks:
+                raise ConfigError(
+                    f"model.layer_d_ff has {len(self.layer_d_ff)} entries but "
+                    f"model.num_blocks={self.num_blocks}; give one width per block"
+                )
+            if any(w < 1 for w in self.layer_d_ff):
+                raise ConfigError("model.layer_d_ff entries must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    path: str | None = None
+    """UTF-8 text file to train on; null uses the English docs that ship with CPython."""
+    val_fraction: float = 0.1
+    """Tail fraction of the text held out for validation."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.path is not None and not Path(self.path).is_file():
+            raise ConfigError(
+                f"data.path={self.path!r} is not a file; give a UTF-8 text file or null"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = 60
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Sequences per microbatch."""
+    num_microbatches: int = 8
+    """Microbatches per step (gradient accumulation); pipeline parallelism needs several."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of cosine decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (applied to matrices only)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (across all stages); 0 disables it."""
+    log_interval: int = 5
+    """Steps between progress lines on rank 0."""
+    checkpoint: bool = True
+    """Write a final checkpoint (per global layer: weights and optimizer state)."""
+
+    def validate(self) -> None:
+        for key in ("steps", "micro_batch_size", "num_microbatches", "log_interval"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.lr={self.lr}, train.min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0"
+            )
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("train.warmup_steps, weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSection:
+    num_stages: int = 2
+    """Pipeline stages; one MPI rank each."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Microbatch schedule."""
+    partition: list[int] | None = None
+    """Initial boundaries over num_blocks + 2 layers (parts[0]=0 .. parts[P]=N); null = uniform."""
+
+    def validate(self) -> None:
+        if self.num_stages < 1:
+            raise ConfigError(f"pipeline.num_stages={self.num_stages} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSection:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available (GPU chosen by local rank), else CPU."""
+    p2p: Literal["auto", "mpi", "torch"] = "auto"
+    """Stage-to-stage transport: mpi4py buffers, torch.distributed (NCCL on GPU, gloo on CPU),
+    or auto (torch on CUDA, mpi on CPU)."""
+    threads_per_rank: int = 1
+    """torch intra-op threads per rank; 1 keeps per-layer CPU timing honest."""
+    mpi_launcher: str | None = None
+    """Path to mpiexec for local runs; null uses the one in the venv next to Python."""
+    timeout_s: float = 3600.0
+    """Wall-clock limit for a local launch; the job is killed and reported after it."""
+    fail_at_step: int | None = None
+    """Fault injection: raise an error on rank ``fail_rank`` at this step (tests abort handling)."""
+    fail_rank: int = 0
+    """The rank that fails when ``fail_at_step`` is set."""
+
+    def validate(self) -> None:
+        if self.threads_per_rank < 1:
+            raise ConfigError(f"runtime.threads_per_rank={self.threads_per_rank} must be >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"runtime.timeout_s={self.timeout_s} must be > 0")
+
+
+BALANCE_ALGORITHMS = ("static", "uniform", "parameters", "optimal", "diffusion")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceSection:
+    algorithm: Literal["static", "uniform", "parameters", "optimal", "diffusion"] = "optimal"
+    """How rank 0 re-partitions at each load report; ``static`` never moves a layer."""
+    interval: int = 5
+    """Steps between load reports (per-layer costs gathered to rank 0, run log flushed) and
+    balancing decisions."""
+    smoothing: float = 0.5
+    """Weight of the newest report in the per-layer cost average (1.0: no smoothing)."""
+    margin: float = 0.1
+    """Enact a new partition only if its predicted gain over the next interval exceeds
+    (1 + margin) x the predicted migration time."""
+    capacity_bytes: float | None = None
+    """Per-stage memory cap (parameters + gradients + optimizer state) for ``optimal``."""
+    force_moves: bool = False
+    """Testing: at every report, migrate to a different valid partition regardless of gain."""
+
+    def validate(self) -> None:
+        if self.interval < 1:
+            raise ConfigError(f"balance.interval={self.interval} must be >= 1")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ConfigError(f"balance.smoothing={self.smoothing} must be in (0, 1]")
+        if self.margin < 0:
+            raise ConfigError(f"balance.margin={self.margin} must be >= 0")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ConfigError(f"balance.capacity_bytes={self.capacity_bytes} must be > 0 or null")

@@ -1,0 +1,186 @@
+"""The ``slurm:`` section, and the rules for sbatch options (shared by rendering and submitit)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dynmo_hpc.config.sections import PipelineSection
+from dynmo_hpc.errors import ConfigError
+
+LAUNCHERS = ("auto", "srun", "mpirun")
+"""How the manager starts the ranks in an allocation (see :mod:`dynmo_hpc.slurm.step`)."""
+
+_SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+@%:/=,-]+$")
+"""What may appear in an ``#SBATCH`` value: sbatch does no shell quoting there."""
+
+
+def mem_mb(mem_gb: float | None) -> int | None:
+    """``--mem`` in whole MB for a per-node memory in GB (rounded up); None stays None."""
+    return None if mem_gb is None else math.ceil(mem_gb * 1024)
+
+
+def sbatch_option_problems(p: Mapping[str, Any]) -> list[str]:
+    """What sbatch would reject, or the job could not survive, in a full set of options.
+
+    Pure: one list of human-readable problems (empty when the options are fine), each naming the
+    option, the value and the fix. Shared by config validation and sbatch rendering.
+    """
+    problems: list[str] = []
+
+    def need_int(name: str, minimum: int) -> None:
+        value = p[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{name}={value!r} must be an integer")
+        elif value < minimum:
+            problems.append(f"{name}={value} must be >= {minimum}")
+
+    need_int("nodes", 1)
+    need_int("tasks_per_node", 1)
+    need_int("cpus_per_task", 1)
+    need_int("gpus_per_node", 0)
+    need_int("time_min", 1)
+    need_int("signal_delay_s", 0)
+    if not problems and p["signal_delay_s"] >= p["time_min"] * 60:
+        problems.append(
+            f"signal_delay_s={p['signal_delay_s']} is not less than time_min*60="
+            f"{p['time_min'] * 60}: the preemption signal would come before the job starts; "
+            "lower signal_delay_s or raise time_min"
+        )
+    mem_gb = p["mem_gb"]
+    if mem_gb is not None and (
+        isinstance(mem_gb, bool)
+        or not isinstance(mem_gb, int | float)
+        or not math.isfinite(mem_gb)
+        or mem_gb <= 0
+    ):
+        problems.append(f"mem_gb={mem_gb!r} must be a positive number of GB (or None)")
+    for name in ("partition", "account", "qos"):
+        value = p[name]
+        if isinstance(value, str) and value and not _SAFE_WORD.match(value):
+            problems.append(
+                f"{name}={value!r} has characters sbatch cannot take in an #SBATCH line "
+                "(spaces, quotes, newlines); use letters, digits and _.+@%:/=,-"
+            )
+    if p["venv"] and p["conda_env"]:
+        problems.append(
+            f"venv={p['venv']!r} and conda_env={p['conda_env']!r} are both set; "
+            "the job activates one environment: keep one of them"
+        )
+    if not isinstance(p["mpi_loopback_only"], bool):
+        problems.append(f"mpi_loopback_only={p['mpi_loopback_only']!r} must be true or false")
+    if p["launcher"] not in LAUNCHERS:
+        problems.append(f"launcher={p['launcher']!r} must be one of {', '.join(LAUNCHERS)}")
+    for name in ("modules", "extra_sbatch"):
+        value = p[name]
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            problems.append(f"{name}={value!r} must be a list of strings (not one string)")
+        elif any("\n" in v or not v.strip() for v in value):
+            problems.append(f"{name}={list(value)!r} has an empty entry or a newline")
+    if not problems:
+        for line in p["extra_sbatch"]:
+            if not line.startswith("-"):
+                problems.append(
+                    f"extra_sbatch entry {line!r} must be an sbatch flag such as '--exclusive'"
+                )
+    return problems
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmSection:
+    """How the job is submitted to SLURM (``dynmo-hpc sbatch`` / ``dynmo-hpc submit``).
+
+    :meth:`sbatch_options` maps the fields onto the sbatch template's parameters, once, so one
+    job file renders the same allocation through the sbatch template and through submitit. Local
+    runs (``dynmo-hpc run``) ignore the section.
+    """
+
+    nodes: int | None = None
+    """``--nodes``; null = pipeline.num_stages (one stage per node)."""
+    tasks_per_node: int = 1
+    """``--ntasks-per-node``: MPI ranks per node; nodes * tasks_per_node >= num_stages."""
+    gpus_per_node: int = 0
+    """``--gpus-per-node``; 0 leaves it out (CPU nodes)."""
+    cpus_per_task: int = 1
+    """``--cpus-per-task``; raise it with runtime.threads_per_rank."""
+    time_min: int = 30
+    """``--time`` in minutes; the job is killed after it."""
+    partition: str | None = None
+    """``--partition``; null = the cluster's default partition."""
+    account: str | None = None
+    """``--account`` to charge; null = the user's default."""
+    qos: str | None = None
+    """``--qos``; null = the default quality of service."""
+    mem_gb: float | None = None
+    """``--mem`` per node in GB; null = the partition's default."""
+    signal_delay_s: int = 120
+    """SIGUSR2 reaches the job manager this many seconds before the time limit (checkpoint)."""
+    venv: str | None = None
+    """Virtual environment the job activates; null = the one running at submit time
+    (``sys.prefix``), or none when that is not a venv."""
+    conda_env: str | None = None
+    """Conda environment the job activates instead of a venv (not together with venv)."""
+    modules: list[str] = field(default_factory=list)
+    """Environment modules to ``module load``, in order, before activation (e.g. an MPI, CUDA)."""
+    launcher: Literal["auto", "srun", "mpirun"] = "auto"
+    """How the manager starts the ranks: ``srun --mpi=pmix``, the venv's ``mpirun``; auto = srun."""
+    loopback_only: bool = False
+    """Pin Open MPI to TCP over ``lo``: true only where all nodes share one host (test clusters)."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` flags, verbatim, e.g. ``[--exclusive]``."""
+
+    def num_nodes(self, num_stages: int) -> int:
+        """The node count to ask for: ``nodes``, or one node per pipeline stage."""
+        return num_stages if self.nodes is None else self.nodes
+
+    def sbatch_options(self, num_stages: int) -> dict[str, Any]:
+        """The allocation as sbatch-template parameters: the one mapping from this section.
+
+        :func:`dynmo_hpc.slurm.sbatch.render_sbatch` takes these keywords (plus the job's name,
+        config path, output directory and Python), submitit's executor parameters are derived
+        from them, and :meth:`validate` checks them with the same rules.
+        """
+        return {
+            "nodes": self.num_nodes(num_stages),
+            "tasks_per_node": self.tasks_per_node,
+            "gpus_per_node": self.gpus_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "time_min": self.time_min,
+            "partition": self.partition,
+            "account": self.account,
+            "qos": self.qos,
+            "mem_gb": self.mem_gb,
+            "signal_delay_s": self.signal_delay_s,
+            "venv": self.venv,
+            "conda_env": self.conda_env,
+            "modules": list(self.modules),
+            "launcher": self.launcher,
+            "mpi_loopback_only": self.loopback_only,
+            "extra_sbatch": list(self.extra_sbatch),
+        }
+
+    def validate(self) -> None:
+        options = self.sbatch_options(num_stages=1)
+        problems = sbatch_option_problems(options)
+        if problems:
+            text = "; ".join(
+                "slurm." + m.replace("mpi_loopback_only", "loopback_only") for m in problems
+            )
+            raise ConfigError(
+                text + "; HINT: fix it under slurm: in the job file or with --set slurm.KEY=VALUE"
+            )
+
+    def validate_for(self, pipeline: PipelineSection) -> None:
+        """One MPI rank per stage: the allocation must hold a task slot for every stage."""
+        num_nodes = self.num_nodes(pipeline.num_stages)
+        slots = num_nodes * self.tasks_per_node
+        if slots < pipeline.num_stages:
+            raise ConfigError(
+                f"slurm.nodes({num_nodes}) * slurm.tasks_per_node({self.tasks_per_node}) = "
+                f"{slots} < pipeline.num_stages({pipeline.num_stages}): every stage needs a "
+                "task slot; HINT: raise slurm.nodes or slurm.tasks_per_node, or set "
+                "slurm.nodes: null (one node per stage)"
+            )

@@ -1,0 +1,33 @@
+"""Rank entry point: ``python -m mpi4py -m dynmo_hpc.launch.worker RUN_DIR/config.yaml``.
+
+Started by a launcher on every rank. Running under ``python -m mpi4py`` matters: an uncaught
+exception on any rank then calls ``MPI_Abort``, so the whole job ends within seconds with that
+rank's traceback instead of the other ranks hanging in their next collective.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mpi4py import MPI
+
+from dynmo_hpc import config as config_mod
+from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.pipeline.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m mpi4py -m dynmo_hpc.launch.worker RUN_DIR/config.yaml")
+    comm = MPI.COMM_WORLD
+    setup_logging(comm.rank)
+    config_path = Path(args[0])
+    cfg = config_mod.load(config_path)
+    Trainer(cfg, comm, config_path.parent).train()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Early exit (CALM-style): a confident token leaves the network; later layers skip it.
+
+Mechanism: chosen blocks own a small exit head (LayerNorm + a d_model x vocab linear map). After
+such a block, the exit head predicts the next byte for every token still active; a token whose
+top softmax probability (CALM's "softmax response" confidence) is at least ``threshold`` exits.
+The decision is a deterministic function of the data, so the single-process reference and every
+pipeline partition make the same decisions.
+
+What later layers compute: the payload carries an ``active`` mask (B, T) and the exited tokens'
+hidden states unchanged. A later block gathers the active tokens (not a mask: the rows really go
+away) and runs on them only its query projection, attention, output projection, LayerNorms,
+feed-forward and exit head. Exited tokens still contribute keys and values, computed from their
+carried hidden state, so active tokens keep attending to them (CALM's hidden-state propagation);
+that projection (2 C^2 of a block's ~12 C^2 multiply-adds per token) is the only work a later
+block spends on an exited token. The head runs its LayerNorm and LM head on active tokens only.
+
+Loss (what ``ctx.loss``, the reported per-step loss, is): the mean over every token of the
+cross-entropy of the prediction the network actually makes for it: the exit head's logits at the
+layer where the token exited, or the final head's logits for tokens that never exited. The exit
+cross-entropy travels to the last stage in the payload (``exit_nll``, (B, T), zero for tokens
+that have not exited), with its gradient flowing back to the exit head and the layers below it.
+Training the exits: each exit head also adds ``exit_loss_weight`` x its mean cross-entropy over
+the tokens that reach it to the auxiliary losses (so exit heads learn before tokens use them).
+
+Why a head per exit layer rather than the final head shared across stages: the exit layers and
+the LM head live on different ranks, and a shared head would need its gradient all-reduced every
+step and its weights kept in sync through migrations. A per-layer head is owned by its block and
+travels with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynmo_hpc.config import EarlyExitSection, ModelSection
+from dynmo_hpc.model.gpt import Embedding, Head, MicrobatchContext, Payload
+
+
+def exit_layers(section: EarlyExitSection, num_blocks: int) -> list[int]:
+    """Blocks with an exit head: the configured list, or every block but the last."""
+    return list(section.layers) if section.layers is not None else list(range(1, num_blocks))
+
+
+def payload_spec(
+    micro_batch_size: int, seq_len: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The payload keys early exit adds: the active mask and the exited tokens' losses."""
+    shape = (micro_batch_size, seq_len)
+    return {"active": (shape, torch.float32), "exit_nll": (shape, torch.float32)}
+
+
+class ExitHead(nn.Module):
+    """An exit block's own predictor and its exit rule."""
+
+    def __init__(self, cfg: ModelSection, section: EarlyExitSection) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.threshold = section.threshold
+        self.loss_weight = section.exit_loss_weight
+        self.register_buffer("enabled", torch.tensor(section.start_step == 0))
+        """Whether tokens may exit yet (the controller switches it on at start_step)."""
+        self.stats: dict[str, float] = {}
+        """Since the last report: tokens reaching this exit, their summed confidence (mean =
+        confidence_sum / reached, a guide for the threshold) and tokens exiting here."""
+
+    def decide(
+        self,
+        h_act: Tensor,
+        b_idx: Tensor,
+        t_idx: Tensor,
+        active: Tensor,
+        exit_nll: Tensor,
+        ctx: MicrobatchContext,
+    ) -> Payload:
+        """Predict for the active tokens (N, C); returns the updated ``active``/``exit_nll``."""
+        logits = self.proj(self.ln(h_act))  # (N, V)
+        ce = F.cross_entropy(logits, ctx.targets[b_idx, t_idx], reduction="none")  # (N,)
+        ctx.aux_losses.append(self.loss_weight * ce.mean())
+        with torch.no_grad():
+            confidence = F.softmax(logits, dim=-1).amax(-1)  # (N,)
+        self.stats["reached"] = self.stats.get("reached", 0.0) + float(b_idx.numel())
+        self.stats["confidence_sum"] = self.stats.get("confidence_sum", 0.0) + float(
+            confidence.sum()
+        )
+        if not bool(self.enabled):
+            return {}
+        leaving = confidence >= self.threshold  # (N,)
+        lb, lt = b_idx[leaving], t_idx[leaving]
+        self.stats["exited"] = self.stats.get("exited", 0.0) + float(lb.numel())
+        active = active.clone()
+        active[lb, lt] = False
+        return {
+            "active": active.to(torch.float32),
+            "exit_nll": exit_nll.index_put((lb, lt), ce[leaving]),
+        }
+
+
+class EarlyExitEmbedding(Embedding):
+    """Layer 0 of an early-exit model: every token starts active with no exit loss."""
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        h = super().forward(x, ctx)["h"]  # (B, T, C)
+        B, T, _ = h.shape
+        return {"h": h, "active": h.new_ones(B, T), "exit_nll": h.new_zeros(B, T)}
+
+
+class EarlyExitHead(Head):
+    """The last layer of an early-exit model: LM loss over every token, exited or not.
+
+    ``ctx.loss = (sum of final-head cross-entropy over active tokens + sum of exit_nll) / (B*T)``;
+    the final LayerNorm and LM head run on the active tokens only.
+    """
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        assert x is not None
+        active = x["active"].detach() > 0.5  # (B, T)
+        logits = self.lm_head(self.ln_f(x["h"][active]))  # (N, V)
+        ce_sum = F.cross_entropy(logits, ctx.targets[active], reduction="sum")
+        ctx.loss = (ce_sum + x["exit_nll"].sum()) / active.numel()
+        return {}

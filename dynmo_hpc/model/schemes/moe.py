@@ -1,0 +1,138 @@
+"""Mixture of Experts feed-forward: top-k routing, expert capacity, load-balancing loss.
+
+Mechanism (GShard / Switch Transformer): a linear router scores each token against E experts;
+each token goes to its top-k experts. An expert accepts at most
+``capacity = ceil(capacity_factor * k * N / E)`` of the N tokens a microbatch brings to the block;
+assignments are served in priority order, every token's first choice before any second choice,
+and within a choice in token order (GShard). An assignment over capacity is either dropped (the
+token's residual stream carries it past the expert) or, with ``overflow: reroute``, offered to
+the token's next-ranked experts in turn until one has room. Each expert is an ordinary ``MLP``
+run on exactly the tokens routed to it (gathered), so the block's compute, and the cost the
+profiler measures, follows the routed token counts.
+
+Gates: with k = 1 the router probability of the chosen expert (Switch: it is what trains the
+router); with k > 1 the chosen probabilities renormalised by the sum of the top-k probabilities
+(GShard); a rerouted assignment uses its new expert's probability over the same denominator.
+
+Load balancing: the Switch auxiliary loss ``E * sum_e f_e * P_e`` (f_e: fraction of the top-k
+choices that picked e, before capacity; P_e: mean router probability of e), scaled by
+``aux_loss_weight``; it is 1 when routing is uniform.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dynmo_hpc.config import MoESection
+from dynmo_hpc.model.gpt import MLP
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Tokens one expert accepts from ``num_tokens``: ceil(cf * k * N / E), at least 1."""
+    return max(1, math.ceil(capacity_factor * top_k * num_tokens / num_experts - 1e-9))
+
+
+def _positions(experts: Tensor, load: Tensor, num_experts: int) -> Tensor:
+    """Queue position of each assignment at its expert, in priority order, after ``load``."""
+    one_hot = F.one_hot(experts, num_experts)  # (P, E)
+    before = (one_hot.cumsum(0) - one_hot).gather(1, experts[:, None]).squeeze(1)  # (P,)
+    return load[experts] + before
+
+
+def plan_routing(ranked: Tensor, top_k: int, capacity: int, overflow: str) -> Tensor:
+    """Assign tokens to experts under a capacity; a pure function of the experts' ranking.
+
+    ``ranked`` (N, E) int64 lists each token's experts best first. Returns ``expert`` (N, k)
+    int64: the expert serving choice j of token n, or -1 where that choice was dropped.
+
+    Example: 4 tokens that all rank expert 0 first and expert 1 second, k = 1, capacity 2:
+    ``drop`` gives [[0], [0], [-1], [-1]]; ``reroute`` gives [[0], [0], [1], [1]].
+    """
+    num_tokens, num_experts = ranked.shape
+    load = torch.zeros(num_experts, dtype=torch.long, device=ranked.device)
+    choices = ranked[:, :top_k]  # (N, k)
+    # Priority order: all first choices (token order), then all second choices, ...
+    experts = choices.t().reshape(-1)  # (k * N,)
+    accepted = _positions(experts, load, num_experts) < capacity
+    load += torch.bincount(experts[accepted], minlength=num_experts)
+    assignment = torch.where(accepted, experts, torch.full_like(experts, -1))
+    assignment = assignment.view(top_k, num_tokens).t().contiguous()  # (N, k)
+    if overflow == "drop":
+        return assignment
+    # Reroute: each token offers its first dropped choice to its next-ranked expert, one
+    # candidate rank at a time; candidates of one token are distinct experts by construction.
+    for rank in range(top_k, num_experts):
+        dropped = assignment < 0  # (N, k)
+        has_dropped = dropped.any(1)
+        if not bool(has_dropped.any()):
+            break
+        tokens = has_dropped.nonzero().squeeze(1)  # (n,) in token order
+        slots = dropped[tokens].int().argmax(1)  # first dropped choice of each
+        candidates = ranked[tokens, rank]
+        ok = _positions(candidates, load, num_experts) < capacity
+        assignment[tokens[ok], slots[ok]] = candidates[ok]
+        load += torch.bincount(candidates[ok], minlength=num_experts)
+    return assignment
+
+
+class MoEFeedForward(nn.Module):
+    """E expert MLPs behind a top-k router; ``forward`` maps (N, C) -> ((N, C), aux loss)."""
+
+    def __init__(self, d_model: int, d_ff: int, section: MoESection) -> None:
+        super().__init__()
+        self.num_experts = section.num_experts
+        self.top_k = section.top_k
+        self.capacity_factor = section.capacity_factor
+        self.overflow = section.overflow
+        self.aux_loss_weight = section.aux_loss_weight
+        self.router = nn.Linear(d_model, section.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(d_model, d_ff) for _ in range(section.num_experts))
+        self.stats: dict[str, float] = {}
+        """Routed, dropped and rerouted assignments and per-expert tokens since the last report."""
+        self.last_tokens_per_expert: list[int] = []
+        """Tokens each expert computed in the latest forward (tests, diagnostics)."""
+
+    def _count(self, key: str, value: float) -> None:
+        self.stats[key] = self.stats.get(key, 0.0) + value
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        num_tokens, _ = x.shape
+        logits = self.router(x)  # (N, E)
+        probs = F.softmax(logits, dim=-1)  # (N, E)
+        ranked = probs.detach().argsort(dim=-1, descending=True, stable=True)  # (N, E)
+        capacity = expert_capacity(num_tokens, self.num_experts, self.top_k, self.capacity_factor)
+        assignment = plan_routing(ranked, self.top_k, capacity, self.overflow)  # (N, k)
+
+        top_probs = probs.gather(1, ranked[:, : self.top_k])  # (N, k)
+        served = assignment >= 0
+        gate_probs = probs.gather(1, assignment.clamp(min=0))  # (N, k)
+        if self.top_k > 1:
+            gate_probs = gate_probs / top_probs.sum(-1, keepdim=True)
+        gates = gate_probs * served  # (N, k)
+
+        out = torch.zeros_like(x)  # (N, C)
+        counts = []
+        for e, expert in enumerate(self.experts):
+            tokens, slots = (assignment == e).nonzero(as_tuple=True)  # token order
+            counts.append(int(tokens.numel()))
+            if tokens.numel():
+                y = expert(x[tokens])  # (n_e, C)
+                out = out.index_add(0, tokens, y * gates[tokens, slots, None])
+        self.last_tokens_per_expert = counts
+
+        chosen = F.one_hot(ranked[:, : self.top_k], self.num_experts).sum(1)  # (N, E)
+        fraction = chosen.float().mean(0) / self.top_k  # (E,)  f_e
+        mean_prob = probs.mean(0)  # (E,)  P_e
+        aux = self.aux_loss_weight * self.num_experts * torch.sum(fraction * mean_prob)
+
+        num_served = int(served.sum())
+        self._count("assignments", float(num_tokens * self.top_k))
+        self._count("dropped", float(num_tokens * self.top_k - num_served))
+        self._count("rerouted", float((served & (assignment != ranked[:, : self.top_k])).sum()))
+        for e, c in enumerate(counts):
+            self._count(f"expert_{e}", float(c))
+        return out, aux

@@ -1,0 +1,420 @@
+"""The per-rank training loop: schedule, clip, step, report, checkpoint.
+
+Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); rank ``r`` is pipeline stage
+``r``. Everything collective happens at step boundaries, in the same order on every rank:
+
+1. the stage runs its schedule (point-to-point with neighbours only);
+2. ``Allreduce`` of per-layer squared gradient norms (global-norm clipping);
+3. optimizer step;
+4. ``gather`` of the step's losses and stage times to rank 0 (progress, run log);
+5. every ``balance.interval`` steps, a load report (per-layer costs and bytes) to rank 0, whose
+   balancing decision is broadcast; if it enacts a new partition, layers migrate
+   (:mod:`dynmo_hpc.pipeline.migration`) before the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.balance import uniform
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
+from dynmo_hpc.model.schemes import SchemeController
+from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline.comm import make_link
+from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator
+from dynmo_hpc.pipeline.data import TextDataset
+from dynmo_hpc.pipeline.device import pick_device
+from dynmo_hpc.pipeline.migration import measure_bandwidth, migrate
+from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.pipeline.schedule import build_schedule
+from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
+
+log = logging.getLogger(__name__)
+
+
+def initial_partition(cfg: JobConfig) -> list[int]:
+    """``pipeline.partition`` if given, else Megatron's uniform split of all layers."""
+    if cfg.pipeline.partition is not None:
+        return list(cfg.pipeline.partition)
+    return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
+
+
+@dataclass
+class TrainResult:
+    """What rank 0 knows at the end of a run (other ranks return an empty result)."""
+
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    parts: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        median_tps = float(np.median(self.tokens_per_s)) if self.tokens_per_s else 0.0
+        return {
+            "losses": self.losses,
+            "tokens_per_s": self.tokens_per_s,
+            "step_time_s": self.step_time_s,
+            "median_tokens_per_s": median_tps,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "parts": self.parts,
+        }
+
+
+def layer_bytes(stage: PipelineStage) -> dict[int, tuple[int, int, int, int]]:
+    """Per owned layer: (parameter count, parameter bytes, gradient bytes, optimizer bytes)."""
+    out = {}
+    for slot in stage.slots:
+        params = list(slot.module.parameters())
+        num_params = sum(p.numel() for p in params)
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        optim_bytes = 0
+        for state in slot.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    optim_bytes += value.numel() * value.element_size()
+        out[slot.index] = (num_params, param_bytes, grad_bytes, optim_bytes)
+    return out
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kib) * (1 if sys.platform == "darwin" else 1024)
+
+
+class Trainer:
+    """Owns one rank's stage, the step loop and rank 0's reporting."""
+
+    def __init__(self, cfg: JobConfig, comm: MPI.Comm, run_dir: Path) -> None:
+        num_stages = cfg.pipeline.num_stages
+        if comm.size != num_stages:
+            raise RuntimeError(
+                f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
+                f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
+            )
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = comm.rank
+        self.run_dir = run_dir
+        self.num_nodes = count_nodes(comm)
+        torch.set_num_threads(cfg.runtime.threads_per_rank)
+        self.device = pick_device(cfg.runtime.device)
+        self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+        self.parts = initial_partition(cfg)
+        self.link = make_link(cfg.runtime.p2p, comm, self.rank, num_stages, self.device)
+        self.stage = PipelineStage(cfg, self.rank, self.parts, self.link, self.dataset, self.device)
+        self.stage.check_invariants()
+        self.schemes = SchemeController(cfg)
+        self.migration_comm = comm.Dup()
+        self.accumulator = IntervalAccumulator()
+        self.tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
+        self.num_reports = 0
+        self.bandwidth_bytes_per_s = (
+            measure_bandwidth(self.migration_comm) if cfg.balance.algorithm != "static" else 0.0
+        )
+        self.result = TrainResult()
+        self.writer: Any = None
+        if self.rank == 0:
+            self.writer = self._open_runlog()
+
+    # ------------------------------------------------------------------ rank-0 reporting
+    def _open_runlog(self) -> Any:
+        from dynmo_hpc.runlog.writer import RunLogWriter
+
+        meta: dict[str, str | int | float] = {
+            "launcher": "mpi",
+            "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0][:200],
+            "world_size": self.comm.size,
+            "mpi_host": MPI.Get_processor_name(),
+            "device": str(self.device),
+            "torch_version": str(torch.__version__),
+        }
+        # A new run of the same job replaces its log (the CLI has already replaced its config).
+        return RunLogWriter(
+            self.run_dir / "run.h5", config_yaml=self.cfg.to_yaml(), meta=meta, overwrite=True
+        )
+
+    def _load_report(self, step: int) -> None:
+        """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
+        forward_s, backward_s = self.accumulator.mean_per_step()
+        report = {
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+            "bytes": layer_bytes(self.stage),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+        }
+        gathered = self.comm.gather(report, root=0)
+        plan_parts: list[int] | None = None
+        if self.rank == 0:
+            plan_parts = self._record_and_decide(step, gathered)
+        new_parts = self.comm.bcast(plan_parts, root=0)
+        self.num_reports += 1
+        if new_parts is not None:
+            stats = migrate(self.stage, self.migration_comm, new_parts)
+            totals = self.comm.gather(stats, root=0)
+            self.parts = list(new_parts)
+            if self.rank == 0:
+                moved = sum(t.bytes_sent for t in totals)
+                seconds = max(t.seconds for t in totals)
+                if moved and seconds > 0:
+                    self.bandwidth_bytes_per_s = moved / seconds
+                self.writer.log_event(
+                    step=step,
+                    kind="migrate",
+                    detail={
+                        "new_parts": self.parts,
+                        "num_moves": totals[0].num_moves,
+                        "bytes_moved": moved,
+                        "seconds": seconds,
+                    },
+                )
+                log.info(
+                    "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
+                    step + 1,
+                    totals[0].num_moves,
+                    moved / 1e6,
+                    seconds,
+                    self.parts,
+                )
+        if self.rank == 0:
+            self.writer.flush()
+
+    def _record_and_decide(self, step: int, gathered: list[dict[str, Any]]) -> list[int] | None:
+        num_layers = self.cfg.model.num_layers
+        fwd = [0.0] * num_layers
+        bwd = [0.0] * num_layers
+        sizes = [(0, 0, 0, 0)] * num_layers
+        for item in gathered:
+            for i, v in item["forward_s"].items():
+                fwd[i] = v
+            for i, v in item["backward_s"].items():
+                bwd[i] = v
+            for i, v in item["bytes"].items():
+                sizes[i] = v
+        self.writer.log_layer_report(
+            step=step,
+            forward_s=fwd,
+            backward_s=bwd,
+            num_params=[s[0] for s in sizes],
+            param_bytes=[s[1] for s in sizes],
+            grad_bytes=[s[2] for s in sizes],
+            optim_bytes=[s[3] for s in sizes],
+            parts=self.parts,
+            peak_mem_bytes=[item["peak_mem_bytes"] for item in gathered],
+        )
+        costs_s = self.tracker.update(fwd, bwd)
+        if self.cfg.balance.algorithm == "static":
+            return None
+        plan = decide(
+            self.cfg.balance,
+            costs_s=costs_s,
+            num_params=[s[0] for s in sizes],
+            layer_bytes=[s[1] + s[2] + s[3] for s in sizes],
+            parts=self.parts,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            report_index=self.num_reports,
+        )
+        if plan.new_parts is not None:
+            self.writer.log_event(step=step, kind="rebalance", detail=plan.detail)
+            log.info("step %d: rebalance %s -> %s", step + 1, self.parts, plan.new_parts)
+        return plan.new_parts
+
+    # ------------------------------------------------------------------ the loop
+    def step(self, step: int) -> StepStats:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if cfg.runtime.fail_at_step == step and self.rank == cfg.runtime.fail_rank:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {step}")
+        actions = build_schedule(
+            cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
+        )
+        stats = self.stage.run_schedule(step, actions)
+        self.accumulator.add(stats.forward_s, stats.backward_s)
+
+        sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
+        for slot in self.stage.slots:
+            sq_norms[slot.index] = squared_grad_norm(slot.module)
+        self.comm.Allreduce(MPI.IN_PLACE, sq_norms, op=MPI.SUM)
+        coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
+        lr = lr_at(step, cfg.train)
+        self.stage.optimizer_step(lr, coefficient)
+        scheme_events = self.schemes.step_end(step, self.stage.slots, self.comm.allgather)
+        self.stage.frozen_prefix_end = self.schemes.frozen_prefix_end
+
+        gathered = self.comm.gather(
+            (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
+        )
+        step_time_s = time.perf_counter() - t0
+        if self.rank == 0:
+            loss = sum(g[0] for g in gathered)
+            tokens_per_s = cfg.tokens_per_step / step_time_s
+            self.result.losses.append(loss)
+            self.result.tokens_per_s.append(tokens_per_s)
+            self.result.step_time_s.append(step_time_s)
+            self.writer.log_step(
+                step=step,
+                loss=loss,
+                step_time_s=step_time_s,
+                tokens_per_s=tokens_per_s,
+                lr=lr,
+                num_stages=cfg.pipeline.num_stages,
+                num_ranks=self.comm.size,
+                num_nodes=self.num_nodes,
+            )
+            self.writer.log_stage_times(
+                step=step, compute_s=[g[2] for g in gathered], idle_s=[g[3] for g in gathered]
+            )
+            for event in scheme_events:
+                self.writer.log_event(step=step, kind=event["kind"], detail=event)
+            self._progress(step, loss, sum(g[1] for g in gathered))
+        return stats
+
+    def _progress(self, step: int, loss: float, aux_loss: float) -> None:
+        steps = self.cfg.train.steps
+        if (step + 1) % self.cfg.train.log_interval and step + 1 != steps and step != 0:
+            return
+        recent = self.result.step_time_s[-self.cfg.train.log_interval :]
+        eta_s = float(np.median(recent)) * (steps - step - 1)
+        aux = f" aux {aux_loss:.4f}" if aux_loss else ""
+        log.info(
+            "step %d/%d | loss %.4f%s | %.0f tok/s | step %.3f s | ETA %.0f s",
+            step + 1,
+            steps,
+            loss,
+            aux,
+            float(np.median(self.result.tokens_per_s[-self.cfg.train.log_interval :])),
+            recent[-1],
+            eta_s,
+        )
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        if self.rank == 0:
+            log.info(
+                "training %s: %d layers on %d stages %s, %d steps x %d microbatches of %d x %d",
+                cfg.job.name,
+                cfg.model.num_layers,
+                cfg.pipeline.num_stages,
+                self.parts,
+                cfg.train.steps,
+                cfg.train.num_microbatches,
+                cfg.train.micro_batch_size,
+                cfg.model.seq_len,
+            )
+        interval = cfg.balance.interval
+        stop = _StopRequest()
+        try:
+            last_step = cfg.train.steps
+            for step in range(cfg.train.steps):
+                self.step(step)
+                if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
+                    self._load_report(step)
+                if self.comm.allreduce(stop.signum, op=MPI.MAX):
+                    last_step = step + 1
+                    self._preempted(step, stop.signum)
+                    break
+            if cfg.train.checkpoint or last_step < cfg.train.steps:
+                self.save_checkpoint(last_step)
+            self.result.parts = list(self.parts)
+            if self.rank == 0:
+                atomic_write_text(
+                    self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
+                )
+        except BaseException as exc:
+            stop.restore()
+            if self.writer is not None:
+                self.writer.log_event(
+                    step=len(self.result.losses),
+                    kind="error",
+                    detail={"type": type(exc).__name__, "message": str(exc)[:2000]},
+                )
+                self.writer.close(status="error")
+                self.writer = None
+            raise
+        stop.restore()
+        if self.writer is not None:
+            self.writer.close()
+        return self.result
+
+    def _preempted(self, step: int, signum: int) -> None:
+        """SIGUSR2/SIGTERM (SLURM's warning before the time limit or a preemption) arrived."""
+        if self.rank == 0:
+            self.writer.log_event(
+                step=step, kind="preempt", detail={"signal": signum, "completed_steps": step + 1}
+            )
+            log.warning(
+                "signal %d: stopping after step %d of %d and writing a checkpoint",
+                signum,
+                step + 1,
+                self.cfg.train.steps,
+            )
+
+    def save_checkpoint(self, step: int) -> Path:
+        directory = self.run_dir / "checkpoint"
+        t0 = time.perf_counter()
+        for slot in self.stage.slots:
+            checkpoint.save_layer(directory, slot.index, slot.module, slot.optimizer)
+        self.comm.Barrier()
+        if self.rank == 0:
+            checkpoint.write_meta(
+                directory,
+                {
+                    "step": step,
+                    "parts": self.parts,
+                    "num_layers": self.cfg.model.num_layers,
+                },
+            )
+            self.writer.log_event(
+                step=step,
+                kind="checkpoint",
+                detail={"path": str(directory), "seconds": time.perf_counter() - t0},
+            )
+            log.info("checkpoint written to %s", directory)
+        return directory
+
+
+class _StopRequest:
+    """Records SIGUSR2/SIGTERM so the step loop can stop at a step boundary, checkpointing.
+
+    A handler only sets a flag: the ranks agree at the next step boundary (an ``allreduce``), so
+    they all stop after the same step and the checkpoint is consistent.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def count_nodes(comm: MPI.Comm) -> int:
+    """Distinct nodes in the job (SLURM node names when present: all "nodes" may share a host)."""
+    name = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
+    return len(set(comm.allgather(name)))
