@@ -5,8 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOB ?= jobs/default.yaml
+# The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
+TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
+	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
+	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
+	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py
 
-.PHONY: venv run test test-fast lint format bench slurm-up slurm-down clean
+.PHONY: venv run test test-fast lint typecheck format bench slurm-up slurm-down clean
 
 venv: $(STAMP)
 
@@ -21,7 +26,7 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/dynmo-hpc run $(JOB) --report
 
-test: $(STAMP)
+test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -30,6 +35,9 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy --strict $(TYPECHECK_PATHS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

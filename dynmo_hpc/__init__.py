@@ -1,4 +1,4 @@
-"""dynmo_hpc: dynamic load balancing and elastic packing for pipeline-parallel training (DynMo).
+"""dynmo_hpc: dynamic load balancing for pipeline-parallel training of dynamic LLMs (DynMo).
 
 Entry points: the ``dynmo-hpc`` CLI (``run``, ``plan``, ``report``, ``sbatch``, ``submit``) and,
 from Python, :func:`dynmo_hpc.submit` for SLURM submission through submitit.
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from dynmo_hpc.version import __version__
+
+__all__ = ["__version__", "submit"]
 
 
 def submit(config_or_path: Any, **slurm_options: Any) -> Any:

@@ -22,7 +22,7 @@ from dynmo_hpc.balance import (
     stage_loads,
 )
 
-# --- DeepSpeed's cases (docs: /work/shared/notes/dynmo.md) -------------------------------------
+# --- DeepSpeed's unit-test cases (facts about its partitioner; see docs/balancing.md) ------
 
 
 def test_eight_equal_layers_on_four_stages_cost_two_each() -> None:

@@ -20,13 +20,13 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return rc, out, err
 
 
-def test_optimal_plan_prints_boundaries_and_stage_costs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_optimal_plan_prints_boundaries_and_stage_loads(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(["--costs", "0,1,2,3,3,3", "--stages", "4"], capsys)
     assert rc == 0 and err == ""
     result = json.loads(out)
     assert result["algorithm"] == "optimal"
     assert result["parts"] == [0, 3, 4, 5, 6]
-    assert result["stage_costs"] == [3.0, 3.0, 3.0, 3.0]
+    assert result["stage_loads"] == [3.0, 3.0, 3.0, 3.0]
     assert result["bottleneck"] == result["optimal_bottleneck"] == 3.0
 
 

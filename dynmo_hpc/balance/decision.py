@@ -1,8 +1,8 @@
 """The decision rule: enact a new partition only when it pays for its own migration.
 
 Why: a better partition is not free. Moving a layer ships its weights, gradients and optimizer
-state, and the pipeline waits for it. Rebalancing on every small gain (the reference code moved
-layers even when already balanced, defect 2) can cost more than it saves. So the rule compares two
+state, and the pipeline waits for it. Rebalancing on every small gain (or moving a layer when the
+pipeline is already balanced) can cost more than it saves. So the rule compares two
 predictions over the coming interval, both in seconds:
 
 - **gain** = ``(old bottleneck - new bottleneck) * steps_until_next_check``. A step's time is

@@ -3,8 +3,7 @@
 Why a pure function: the transfer code (MPI sends of weights, gradients and optimizer state) must
 move exactly these layers and no others, and the decision rule must price exactly these bytes.
 Deriving both from one list, computed from two boundary lists alone, keeps the plan, its price
-and the transfer in agreement; the reference code's planner and its transfer disagreed (defect 3)
-and left holes when it skipped a move (defect 4).
+and the transfer in agreement, and leaves no holes.
 
 Because both partitions keep layers in global order with contiguous stages, a layer's new place
 is fully determined by the new boundaries: nothing is appended or reordered, and a stage's layers
@@ -34,8 +33,8 @@ class Move:
 def plan_moves(old_parts: Sequence[int], new_parts: Sequence[int]) -> list[Move]:
     """The layers whose stage differs between ``old_parts`` and ``new_parts``, by layer index.
 
-    The two partitions must cover the same layers; they may have different stage counts (packing
-    onto fewer stages is a migration too). Runs in O(layers moved + stages): it walks the merged
+    The two partitions must cover the same layers; they may have different stage counts (moving
+    onto fewer or more stages is planned the same way). Runs in O(layers moved + stages): it walks the merged
     boundaries, within each piece of which the old and new stage are both constant.
 
     Example: ``plan_moves([0, 2, 4], [0, 3, 4]) == [Move(layer=2, src=1, dst=0)]``.

@@ -196,8 +196,8 @@ def _memory_reach(mem_prefix: list[float], capacity: float) -> tuple[list[int], 
 def min_capacity(memory: CostsLike, num_stages: int) -> float:
     """The smallest per-stage capacity (bytes) under which ``memory`` fits on ``num_stages``.
 
-    This is the min-max partition of the memory itself; packing uses it to ask "how few stages
-    fit?".
+    This is the min-max partition of the memory itself: it answers "how few stages could hold
+    this model?".
     """
     mem = check_values(memory, "memory")
     return Chain(mem, None).solve(check_num_stages(num_stages, len(mem)))

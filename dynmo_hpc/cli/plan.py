@@ -9,7 +9,7 @@ Example::
 
     $ dynmo-hpc plan --costs 0,1,2,3,3,3 --stages 4 --algorithm optimal
     {"algorithm": "optimal", "num_layers": 6, "num_stages": 4, "parts": [0, 3, 4, 5, 6],
-     "stage_costs": [3.0, 3.0, 3.0, 3.0], "bottleneck": 3.0, "optimal_bottleneck": 3.0}
+     "stage_loads": [3.0, 3.0, 3.0, 3.0], "bottleneck": 3.0, "optimal_bottleneck": 3.0}
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "num_layers": len(args.costs),
         "num_stages": args.stages,
         "parts": parts,
-        "stage_costs": stage_loads(args.costs, parts),
+        "stage_loads": stage_loads(args.costs, parts),
     }
-    result["bottleneck"] = max(result["stage_costs"])
+    result["bottleneck"] = max(result["stage_loads"])
     result["optimal_bottleneck"] = optimal_bottleneck(
         args.costs, args.stages, memory=memory, capacity=options.get("capacity")
     )

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from dynmo_hpc import __version__
+from dynmo_hpc.version import __version__
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
 from dynmo_hpc.launch.local import launch_local

@@ -8,9 +8,9 @@ as one MPI step over the allocation (``srun --mpi=pmix`` by default, or the venv
 see docs/slurm.md). SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGTERM
 are forwarded to the step and recorded.
 
-Keeping the manager as a separate process from the ranks is what makes elastic shrinking
-possible later: an MPI step cannot release a node while it runs, but the manager can end the step,
-shrink the allocation, and start a new step on the remaining nodes.
+The manager is a separate process from the ranks because an MPI step cannot release a node
+while it runs (SLURM kills a step's tasks on a released node): only a process outside the step
+can end it and start another.
 """
 
 from __future__ import annotations

@@ -62,3 +62,89 @@ class CostTracker:
                 a * new + (1 - a) * old for new, old in zip(latest, self.costs_s, strict=True)
             ]
         return list(self.costs_s)
+
+
+@dataclass(frozen=True)
+class LayerSize:
+    """What one layer weighs: what the parameter-count balancer and the migration model use."""
+
+    num_params: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes that travel when the layer migrates (weights, gradients, optimizer state)."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's contribution to a load report (what it sends to rank 0)."""
+
+    forward_s: dict[int, float]
+    """Per owned global layer: mean forward cost per step over the interval."""
+    backward_s: dict[int, float]
+    """Per owned global layer: mean backward cost per step over the interval."""
+    sizes: dict[int, LayerSize]
+    """Per owned global layer: parameters and bytes."""
+    peak_mem_bytes: int
+    """This rank's peak memory so far (CUDA allocator peak, or the process's max RSS)."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The whole model's costs at one report, by global layer, as rank 0 sees them."""
+
+    step: int
+    forward_s: list[float]
+    backward_s: list[float]
+    sizes: list[LayerSize]
+    peak_mem_bytes: list[int]
+    """Per rank (stage), in rank order."""
+
+    @property
+    def num_params(self) -> list[int]:
+        return [s.num_params for s in self.sizes]
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        return [s.total_bytes for s in self.sizes]
+
+
+def assemble_load_report(step: int, num_layers: int, ranks: list[RankReport]) -> LoadReport:
+    """Merge the ranks' reports (in rank order) into one by global layer; pure.
+
+    Every layer must be reported by exactly one rank: a layer reported twice or not at all means
+    the ranks disagree about the partition, which must stop the run rather than skew the balancer.
+    """
+    owner: dict[int, int] = {}
+    forward_s = [0.0] * num_layers
+    backward_s = [0.0] * num_layers
+    sizes = [LayerSize(0, 0, 0, 0)] * num_layers
+    for rank, report in enumerate(ranks):
+        for index, size in report.sizes.items():
+            if index in owner or not 0 <= index < num_layers:
+                raise RuntimeError(
+                    f"load report at step {step}: layer {index} reported by rank {rank}"
+                    + (
+                        f" and rank {owner[index]}"
+                        if index in owner
+                        else f" (not in 0..{num_layers - 1})"
+                    )
+                )
+            owner[index] = rank
+            sizes[index] = size
+            forward_s[index] = report.forward_s.get(index, 0.0)
+            backward_s[index] = report.backward_s.get(index, 0.0)
+    missing = [i for i in range(num_layers) if i not in owner]
+    if missing:
+        raise RuntimeError(f"load report at step {step}: no rank reported layers {missing}")
+    return LoadReport(
+        step=step,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        sizes=sizes,
+        peak_mem_bytes=[r.peak_mem_bytes for r in ranks],
+    )

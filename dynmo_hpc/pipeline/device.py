@@ -9,6 +9,8 @@ asynchronously, so host clocks measure launch time; CUDA events measure the kern
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import time
 from typing import Protocol
 
@@ -89,3 +91,11 @@ class CudaEventTimer:
 
 def make_timer(device: torch.device) -> LayerTimer:
     return CudaEventTimer() if device.type == "cuda" else CpuThreadTimer()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank so far: the CUDA allocator's peak, or the process's max RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kib) * (1 if sys.platform == "darwin" else 1024)

@@ -1,8 +1,7 @@
 """Live layer migration: move layers between ranks with everything they carry.
 
-The published DynMo code rebuilt a migrated layer on the receiver from scratch (re-initialised
-biases and LayerNorm weights), moved no optimizer state, and appended the layer to the end of the
-receiver's list. Here a move ships the whole layer module (its parameters, buffers and any scheme
+A migrated layer must arrive exactly as it left, or training silently becomes a different
+computation. So a move ships the whole layer module (its parameters, buffers and any scheme
 state such as pruning masks, router weights or frozen flags) plus its AdamW ``state_dict`` (both
 moments and the step count), and the receiver inserts it at its global position. After every
 migration each rank checks its invariants: it owns exactly its new contiguous range in order, the
@@ -131,7 +130,7 @@ def pack_layer(slot: LayerSlot) -> tuple[bytes, list[torch.Tensor]]:
 
 
 def unpack_layer(
-    stage: PipelineStage, meta: bytes, buffers: list[torch.Tensor], index: int
+    pipeline_stage: PipelineStage, meta: bytes, buffers: list[torch.Tensor], index: int
 ) -> LayerSlot:
     """Rebuild a layer slot on the receiver and verify every tensor's checksum."""
     storages = [b.untyped_storage() for b in buffers]
@@ -143,24 +142,24 @@ def unpack_layer(
     if received != payload["checksums"]:
         bad = sorted(k for k in payload["checksums"] if received.get(k) != payload["checksums"][k])
         raise RuntimeError(f"migration of layer {index}: checksum mismatch in {bad[:5]}")
-    slot = stage.make_slot(index, module)
+    slot = pipeline_stage.make_slot(index, module)
     slot.optimizer.load_state_dict(state)
     return slot
 
 
-def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> MigrationStats:
+def migrate(pipeline_stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> MigrationStats:
     """Move layers so this rank owns ``new_parts[rank]..new_parts[rank+1]-1``; collective.
 
     Every rank must call it with the same ``new_parts``. Sends are posted before receives are
     waited on, so any pattern of moves completes.
     """
     t0 = time.perf_counter()
-    old_parts = stage.parts
+    old_parts = pipeline_stage.parts
     moves = plan_moves(old_parts, new_parts)
     rank = comm.rank
     outgoing = [m for m in moves if m.src == rank]
     incoming = [m for m in moves if m.dst == rank]
-    by_index = {slot.index: slot for slot in stage.slots}
+    by_index = {slot.index: slot for slot in pipeline_stage.slots}
 
     # Per move: a header (pickle length, storage sizes), the pickle, then each storage raw.
     # Tags: 64 per layer index, so concurrent moves never match each other's messages.
@@ -198,13 +197,13 @@ def migrate(stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> Migra
             for k, buf in enumerate(buffers)
         ]
         wait_quietly(requests)
-        arrived.append(unpack_layer(stage, meta_arr.tobytes(), buffers, move.layer))
+        arrived.append(unpack_layer(pipeline_stage, meta_arr.tobytes(), buffers, move.layer))
         bytes_received += meta_arr.size + sum(b.numel() for b in buffers)
     wait_quietly(send_requests)
     del keep_alive
 
-    stage.replace_layers(new_parts, arrived=arrived, leaving={m.layer for m in outgoing})
-    counts = comm.allgather(len(stage.slots))
+    pipeline_stage.replace_layers(new_parts, arrived=arrived, leaving={m.layer for m in outgoing})
+    counts = comm.allgather(len(pipeline_stage.slots))
     if sum(counts) != new_parts[-1]:
         raise RuntimeError(
             f"after migration ranks own {counts} layers (sum {sum(counts)}), "

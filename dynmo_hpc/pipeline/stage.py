@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.gpt import MicrobatchContext, Payload, Spec
 from dynmo_hpc.model.optim import build_optimizer, scale_grads_, set_lr
 from dynmo_hpc.model.schemes import activation_spec, build_layer
-from dynmo_hpc.pipeline.comm import Payload, Spec, StageLink
+from dynmo_hpc.pipeline.comm import StageLink
+from dynmo_hpc.pipeline.costs import LayerSize
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import LayerTimer, make_timer
 from dynmo_hpc.pipeline.schedule import Action
@@ -127,6 +128,24 @@ class PipelineStage:
     @property
     def is_last(self) -> bool:
         return self.stage == self.link.num_stages - 1
+
+    def layer_sizes(self) -> dict[int, LayerSize]:
+        """Per owned layer: parameter count and the bytes of weights, gradients, AdamW state."""
+        out = {}
+        for slot in self.slots:
+            params = list(slot.module.parameters())
+            optim_bytes = 0
+            for state in slot.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        optim_bytes += value.numel() * value.element_size()
+            out[slot.index] = LayerSize(
+                num_params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                optim_bytes=optim_bytes,
+            )
+        return out
 
     def reset_timers(self) -> None:
         """Fresh per-layer timers: each step's costs are measured on their own."""

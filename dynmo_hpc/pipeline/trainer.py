@@ -18,9 +18,7 @@ import contextlib
 import json
 import logging
 import os
-import resource
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +35,16 @@ from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.pipeline.comm import make_link
-from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator
+from dynmo_hpc.pipeline.costs import (
+    CostTracker,
+    IntervalAccumulator,
+    LoadReport,
+    RankReport,
+    assemble_load_report,
+)
 from dynmo_hpc.pipeline.data import TextDataset
-from dynmo_hpc.pipeline.device import pick_device
-from dynmo_hpc.pipeline.migration import measure_bandwidth, migrate
+from dynmo_hpc.pipeline.device import peak_memory_bytes, pick_device
+from dynmo_hpc.pipeline.migration import MigrationStats, measure_bandwidth, migrate
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
@@ -76,30 +80,6 @@ class TrainResult:
         }
 
 
-def layer_bytes(stage: PipelineStage) -> dict[int, tuple[int, int, int, int]]:
-    """Per owned layer: (parameter count, parameter bytes, gradient bytes, optimizer bytes)."""
-    out = {}
-    for slot in stage.slots:
-        params = list(slot.module.parameters())
-        num_params = sum(p.numel() for p in params)
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        optim_bytes = 0
-        for state in slot.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    optim_bytes += value.numel() * value.element_size()
-        out[slot.index] = (num_params, param_bytes, grad_bytes, optim_bytes)
-    return out
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss_kib) * (1 if sys.platform == "darwin" else 1024)
-
-
 class Trainer:
     """Owns one rank's stage, the step loop and rank 0's reporting."""
 
@@ -120,8 +100,10 @@ class Trainer:
         self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
         self.parts = initial_partition(cfg)
         self.link = make_link(cfg.runtime.p2p, comm, self.rank, num_stages, self.device)
-        self.stage = PipelineStage(cfg, self.rank, self.parts, self.link, self.dataset, self.device)
-        self.stage.check_invariants()
+        self.pipeline_stage = PipelineStage(
+            cfg, self.rank, self.parts, self.link, self.dataset, self.device
+        )
+        self.pipeline_stage.check_invariants()
         self.schemes = SchemeController(cfg)
         self.migration_comm = comm.Dup()
         self.accumulator = IntervalAccumulator()
@@ -155,87 +137,83 @@ class Trainer:
     def _load_report(self, step: int) -> None:
         """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
         forward_s, backward_s = self.accumulator.mean_per_step()
-        report = {
-            "forward_s": forward_s,
-            "backward_s": backward_s,
-            "bytes": layer_bytes(self.stage),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-        }
-        gathered = self.comm.gather(report, root=0)
+        mine = RankReport(
+            forward_s=forward_s,
+            backward_s=backward_s,
+            sizes=self.pipeline_stage.layer_sizes(),
+            peak_mem_bytes=peak_memory_bytes(self.device),
+        )
+        gathered = self.comm.gather(mine, root=0)
         plan_parts: list[int] | None = None
         if self.rank == 0:
-            plan_parts = self._record_and_decide(step, gathered)
+            report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
+            plan_parts = self._record_and_decide(report)
         new_parts = self.comm.bcast(plan_parts, root=0)
         self.num_reports += 1
         if new_parts is not None:
-            stats = migrate(self.stage, self.migration_comm, new_parts)
+            stats = migrate(self.pipeline_stage, self.migration_comm, new_parts)
             totals = self.comm.gather(stats, root=0)
             self.parts = list(new_parts)
             if self.rank == 0:
-                moved = sum(t.bytes_sent for t in totals)
-                seconds = max(t.seconds for t in totals)
-                if moved and seconds > 0:
-                    self.bandwidth_bytes_per_s = moved / seconds
-                self.writer.log_event(
-                    step=step,
-                    kind="migrate",
-                    detail={
-                        "new_parts": self.parts,
-                        "num_moves": totals[0].num_moves,
-                        "bytes_moved": moved,
-                        "seconds": seconds,
-                    },
-                )
-                log.info(
-                    "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
-                    step + 1,
-                    totals[0].num_moves,
-                    moved / 1e6,
-                    seconds,
-                    self.parts,
-                )
+                self._record_migration(step, totals)
         if self.rank == 0:
             self.writer.flush()
 
-    def _record_and_decide(self, step: int, gathered: list[dict[str, Any]]) -> list[int] | None:
-        num_layers = self.cfg.model.num_layers
-        fwd = [0.0] * num_layers
-        bwd = [0.0] * num_layers
-        sizes = [(0, 0, 0, 0)] * num_layers
-        for item in gathered:
-            for i, v in item["forward_s"].items():
-                fwd[i] = v
-            for i, v in item["backward_s"].items():
-                bwd[i] = v
-            for i, v in item["bytes"].items():
-                sizes[i] = v
-        self.writer.log_layer_report(
+    def _record_migration(self, step: int, totals: list[MigrationStats]) -> None:
+        """Rank 0: log the migration and update the bandwidth the decision rule predicts with."""
+        moved = sum(t.bytes_sent for t in totals)
+        seconds = max(t.seconds for t in totals)
+        if moved and seconds > 0:
+            self.bandwidth_bytes_per_s = moved / seconds
+        self.writer.log_event(
             step=step,
-            forward_s=fwd,
-            backward_s=bwd,
-            num_params=[s[0] for s in sizes],
-            param_bytes=[s[1] for s in sizes],
-            grad_bytes=[s[2] for s in sizes],
-            optim_bytes=[s[3] for s in sizes],
-            parts=self.parts,
-            peak_mem_bytes=[item["peak_mem_bytes"] for item in gathered],
+            kind="migrate",
+            detail={
+                "new_parts": self.parts,
+                "num_moves": totals[0].num_moves,
+                "bytes_moved": moved,
+                "seconds": seconds,
+            },
         )
-        costs_s = self.tracker.update(fwd, bwd)
+        log.info(
+            "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
+            step + 1,
+            totals[0].num_moves,
+            moved / 1e6,
+            seconds,
+            self.parts,
+        )
+
+    def _record_and_decide(self, report: LoadReport) -> list[int] | None:
+        """Rank 0: write the report to the run log, smooth the costs, decide; the new partition
+        to migrate to, or None."""
+        self.writer.log_layer_report(
+            step=report.step,
+            forward_s=report.forward_s,
+            backward_s=report.backward_s,
+            num_params=report.num_params,
+            param_bytes=[s.param_bytes for s in report.sizes],
+            grad_bytes=[s.grad_bytes for s in report.sizes],
+            optim_bytes=[s.optim_bytes for s in report.sizes],
+            parts=self.parts,
+            peak_mem_bytes=report.peak_mem_bytes,
+        )
+        costs_s = self.tracker.update(report.forward_s, report.backward_s)
         if self.cfg.balance.algorithm == "static":
             return None
         plan = decide(
             self.cfg.balance,
             costs_s=costs_s,
-            num_params=[s[0] for s in sizes],
-            layer_bytes=[s[1] + s[2] + s[3] for s in sizes],
+            num_params=report.num_params,
+            layer_bytes=report.layer_bytes,
             parts=self.parts,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
             report_index=self.num_reports,
         )
-        if plan.new_parts is not None:
-            self.writer.log_event(step=step, kind="rebalance", detail=plan.detail)
-            log.info("step %d: rebalance %s -> %s", step + 1, self.parts, plan.new_parts)
-        return plan.new_parts
+        if plan.enact:
+            self.writer.log_event(step=report.step, kind="rebalance", detail=plan.to_event())
+            log.info("step %d: rebalance %s -> %s", report.step + 1, self.parts, plan.new_parts)
+        return plan.parts_to_enact
 
     # ------------------------------------------------------------------ the loop
     def step(self, step: int) -> StepStats:
@@ -246,18 +224,18 @@ class Trainer:
         actions = build_schedule(
             cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
         )
-        stats = self.stage.run_schedule(step, actions)
+        stats = self.pipeline_stage.run_schedule(step, actions)
         self.accumulator.add(stats.forward_s, stats.backward_s)
 
         sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
-        for slot in self.stage.slots:
+        for slot in self.pipeline_stage.slots:
             sq_norms[slot.index] = squared_grad_norm(slot.module)
         self.comm.Allreduce(MPI.IN_PLACE, sq_norms, op=MPI.SUM)
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)
-        self.stage.optimizer_step(lr, coefficient)
-        scheme_events = self.schemes.step_end(step, self.stage.slots, self.comm.allgather)
-        self.stage.frozen_prefix_end = self.schemes.frozen_prefix_end
+        self.pipeline_stage.optimizer_step(lr, coefficient)
+        scheme_events = self.schemes.step_end(step, self.pipeline_stage.slots, self.comm.allgather)
+        self.pipeline_stage.frozen_prefix_end = self.schemes.frozen_prefix_end
 
         gathered = self.comm.gather(
             (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
@@ -370,7 +348,7 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Path:
         directory = self.run_dir / "checkpoint"
         t0 = time.perf_counter()
-        for slot in self.stage.slots:
+        for slot in self.pipeline_stage.slots:
             checkpoint.save_layer(directory, slot.index, slot.module, slot.optimizer)
         self.comm.Barrier()
         if self.rank == 0:

@@ -21,7 +21,7 @@ import yaml
 
 from dynmo_hpc.runlog import schema
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _events(f: h5py.File) -> pd.DataFrame:
     for row in rows:
         start, length = int(row["detail_offset"]), int(row["detail_len"])
         if start + length > len(blob):  # cannot happen with the writer's ordering; be safe
-            logger.warning("event at step %d: detail not yet written, skipped", row["step"])
+            log.warning("event at step %d: detail not yet written, skipped", row["step"])
             continue
         records.append(
             {
@@ -111,7 +111,7 @@ def load(path: str | Path) -> RunLog:
         events = _events(f)
     config = yaml.safe_load(attrs.get("config_yaml", "")) or {}
     if not isinstance(config, dict):
-        logger.warning("%s: config_yaml is not a mapping; config left empty", path)
+        log.warning("%s: config_yaml is not a mapping; config left empty", path)
         config = {}
     return RunLog(
         path=path,

@@ -24,7 +24,7 @@ from matplotlib.ticker import MaxNLocator
 
 from dynmo_hpc.runlog import RunLog, load, metrics, schema
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_STEPS = 20
 """Steps on each side of an event over which its effect is measured (medians)."""
@@ -284,7 +284,7 @@ def plot_tokens_per_s(run: RunLog) -> Figure:
 
 
 def plot_resources(run: RunLog) -> Figure:
-    """Ranks and nodes the job held at each step (packing and shrinking show as drops)."""
+    """Ranks and nodes the job held at each step (a change of stage or node count shows as a step)."""
     fig, ax = _figure("Resources held", "count")
     steps = metrics.last_logged(run.steps)
     if steps.empty:
@@ -335,7 +335,7 @@ def write_report(
     for name, draw in FIGURES.items():
         png_paths[name] = out / f"{name}.png"
         draw(run).savefig(png_paths[name], dpi=dpi)
-    logger.info("report for %s written to %s", path, out)
+    log.info("report for %s written to %s", path, out)
     return ReportResult(
         summary=summary, out_dir=out, summary_path=summary_path, png_paths=png_paths
     )

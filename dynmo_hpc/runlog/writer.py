@@ -36,10 +36,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from dynmo_hpc import __version__
+from dynmo_hpc.version import __version__
 from dynmo_hpc.runlog import schema
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MetaValue = str | int | float
 
@@ -161,7 +161,7 @@ class RunLogWriter:
         self._datasets = {name: self._file[name] for name in (*self._buffers, schema.EVENT_DETAIL)}
         self._start_unix_s = float(self._file.attrs["start_time_unix_s"])
         self._last_flush_monotonic = time.monotonic()
-        logger.info("run log: %s (schema %d)", self.path, schema.SCHEMA_VERSION)
+        log.info("run log: %s (schema %d)", self.path, schema.SCHEMA_VERSION)
         if exists and resume:
             self.log_event(
                 step=self._last_step,
@@ -360,7 +360,7 @@ class RunLogWriter:
         self._buffers[schema.EVENTS.name].append(
             (int(step), self._wall_s(), kind_bytes, offset, len(payload))
         )
-        logger.debug("event at step %d: %s %s", step, kind, payload[:200])
+        log.debug("event at step %d: %s %s", step, kind, payload[:200])
         self._rows_added(1)
 
     # -- persistence ---------------------------------------------------------------------------

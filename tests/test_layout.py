@@ -1,0 +1,194 @@
+"""The package layout's rules, checked from the source: imports form a DAG, nothing outside the
+CLI imports it, the in-allocation manager never loads argparse, modules stay small, and a wheel
+built from the repository carries the sbatch template and renders a script."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import ROOT
+
+PACKAGE = ROOT / "dynmo_hpc"
+MAX_MODULE_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every dynmo_hpc module ``path`` imports, at any depth (functions, TYPE_CHECKING too).
+
+    ``from a.b import c`` counts as importing ``a.b.c`` when that is a module, else ``a.b``.
+    Relative imports are resolved against the importing module's package.
+    """
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in modules:
+                    found.add(sub)
+                elif base in modules:
+                    found.add(base)
+    found.discard(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_imports_form_a_dag() -> None:
+    cycle = _find_cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    """The checker itself: a planted cycle is reported, a DAG is not."""
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_only_the_cli_imports_the_cli() -> None:
+    offenders = {
+        name: sorted(i for i in deps if i == "dynmo_hpc.cli" or i.startswith("dynmo_hpc.cli."))
+        for name, deps in _graph().items()
+        if name != "dynmo_hpc.cli"
+        and not name.startswith("dynmo_hpc.cli.")
+        and name != "dynmo_hpc.__main__"
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"modules outside dynmo_hpc/cli import it: {offenders}"
+
+
+def test_the_manager_never_loads_argparse() -> None:
+    code = (
+        "import sys, dynmo_hpc.launch.manager, dynmo_hpc.slurm.submit; "
+        "sys.exit('argparse' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"argparse was imported: {proc.stderr}"
+
+
+def test_no_module_is_too_long() -> None:
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+@pytest.mark.slow
+def test_wheel_carries_the_template_and_renders_sbatch(tmp_path: Path) -> None:
+    """Build the wheel, install it (not editable) into a fresh directory, render a script."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = wheel_dir.glob("dynmo_hpc-*.whl")
+    assert "dynmo_hpc/templates/dynmo_job.sbatch.j2" in zipfile.ZipFile(wheel).namelist()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import dynmo_hpc; print(dynmo_hpc.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=60,
+    )
+    assert where.stdout.strip().startswith(str(target)), where.stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynmo_hpc",
+            "sbatch",
+            str(ROOT / "jobs" / "default.yaml"),
+            "--set",
+            f"job.out_dir={tmp_path / 'runs'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("#!/bin/bash") and "#SBATCH --job-name=default" in out.stdout
+    assert "-m dynmo_hpc.launch.manager" in out.stdout
