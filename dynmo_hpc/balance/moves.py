@@ -34,8 +34,8 @@ def plan_moves(old_parts: Sequence[int], new_parts: Sequence[int]) -> list[Move]
     """The layers whose stage differs between ``old_parts`` and ``new_parts``, by layer index.
 
     The two partitions must cover the same layers; they may have different stage counts (moving
-    onto fewer or more stages is planned the same way). Runs in O(layers moved + stages): it walks the merged
-    boundaries, within each piece of which the old and new stage are both constant.
+    onto fewer or more stages is planned the same way). Runs in O(layers moved + stages): it
+    walks the merged boundaries, within each piece of which the old and new stage are both constant.
 
     Example: ``plan_moves([0, 2, 4], [0, 3, 4]) == [Move(layer=2, src=1, dst=0)]``.
     """

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.version import __version__
 from dynmo_hpc.cli import plan, report, run, slurm
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,10 +7,10 @@ import json
 import sys
 import time
 
-from dynmo_hpc.version import __version__
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
 from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.version import __version__
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -284,7 +284,7 @@ def plot_tokens_per_s(run: RunLog) -> Figure:
 
 
 def plot_resources(run: RunLog) -> Figure:
-    """Ranks and nodes the job held at each step (a change of stage or node count shows as a step)."""
+    """Ranks and nodes the job held at each step (a change of either shows as a step)."""
     fig, ax = _figure("Resources held", "count")
     steps = metrics.last_logged(run.steps)
     if steps.empty:

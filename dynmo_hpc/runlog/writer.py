@@ -36,8 +36,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from dynmo_hpc.version import __version__
 from dynmo_hpc.runlog import schema
+from dynmo_hpc.version import __version__
 
 log = logging.getLogger(__name__)
 
