@@ -34,7 +34,8 @@ def train(out_dir: Path, algorithm: str, steps: int) -> Path:
             f"job.name={algorithm}",
             f"balance.algorithm={algorithm}",
             f"train.steps={steps}",
-            "train.checkpoint=false",
+            "checkpoint.at_end=false",
+            "checkpoint.every_steps=0",
         ],
     )
     rc, run_dir = launch_local(cfg, timeout_s=1800)

@@ -49,7 +49,8 @@ def bench_config(
             f"train.num_microbatches={num_microbatches}",
             f"train.steps={steps}",
             "train.grad_clip=0",  # torch's pipelining baseline does not clip
-            "train.checkpoint=false",
+            "checkpoint.at_end=false",
+            "checkpoint.every_steps=0",
             "train.log_interval=1000",
             "pipeline.num_stages=2",
             "pipeline.partition=[0, 5, 10]",

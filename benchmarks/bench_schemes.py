@@ -55,7 +55,8 @@ def run_scheme(
         f"job.name=bench_{scheme}{tag}",
         f"job.out_dir={out_dir}",
         "pipeline.num_stages=2",
-        "train.checkpoint=false",
+        "checkpoint.at_end=false",
+        "checkpoint.every_steps=0",
         "train.log_interval=1000",
     ]
     if steps is not None:

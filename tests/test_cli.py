@@ -49,7 +49,9 @@ def test_missing_mpiexec(tmp_path):
 @pytest.mark.slow
 def test_run_end_to_end_writes_run_dir(tmp_path):
     sets = [
-        a for o in [*TINY, f"job.out_dir={tmp_path}", "train.checkpoint=true"] for a in ("--set", o)
+        a
+        for o in [*TINY, f"job.out_dir={tmp_path}", "checkpoint.at_end=true"]
+        for a in ("--set", o)
     ]
     out = dynmo("run", "jobs/default.yaml", *sets)
     assert out.returncode == 0, out.stderr[-3000:]

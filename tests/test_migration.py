@@ -24,7 +24,7 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
     common = [
         f"pipeline.num_stages={num_stages}",
         "train.steps=10",
-        "train.checkpoint=true",
+        "checkpoint.at_end=true",
         "balance.interval=2",
     ]
     static_cfg = tiny_config(tmp_path / "static", *common, "balance.algorithm=static")

@@ -47,7 +47,9 @@ def test_losses_match_single_process(tmp_path, num_stages, num_microbatches, sch
 
 def test_final_parameters_match_reference(tmp_path):
     """The checkpoint written by a 4-stage run holds the reference's final weights."""
-    cfg = tiny_config(tmp_path, "pipeline.num_stages=4", "train.checkpoint=true", "job.name=params")
+    cfg = tiny_config(
+        tmp_path, "pipeline.num_stages=4", "checkpoint.at_end=true", "job.name=params"
+    )
     reference = train_reference(cfg)
     run_job(cfg)
     directory = cfg.run_dir / "checkpoint"

@@ -155,7 +155,7 @@ def test_resolve_makes_paths_absolute_and_fills_the_venv(
         ("train.steps=10, 20", "train.steps", [10, 20]),
         ("pipeline.schedule=1f1b,gpipe", "pipeline.schedule", ["1f1b", "gpipe"]),
         ("pipeline.partition=[0,3,10],[0,5,10]", "pipeline.partition", [[0, 3, 10], [0, 5, 10]]),
-        ("train.checkpoint=true,false", "train.checkpoint", [True, False]),
+        ("checkpoint.at_end=true,false", "checkpoint.at_end", [True, False]),
     ],
 )
 def test_parse_sweep(text: str, key: str, values: list[Any]) -> None:

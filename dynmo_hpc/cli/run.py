@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
@@ -19,7 +20,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("job", help="job YAML, e.g. jobs/default.yaml")
     add_overrides_argument(p)
     p.add_argument("--report", action="store_true", help="write the run report when done")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="continue the job's run from its newest intact checkpoint, or from PATH (a run "
+        "directory or a checkpoint/step_<n> directory); pipeline.num_stages may differ",
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run of this job (its run log, checkpoints and result)",
+    )
     p.set_defaults(func=cmd_run)
+
+
+def resolve_resume(cfg: config_mod.JobConfig, path_text: str) -> Path:
+    """The verified checkpoint directory ``--resume [PATH]`` names, checked against the job."""
+    from dynmo_hpc.pipeline import checkpoint, resume
+
+    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
+    for candidate in skipped:
+        print(
+            f"warning: skipping checkpoint {candidate.path}: {candidate.problem}", file=sys.stderr
+        )
+    state = checkpoint.read_run_state(chosen.path)
+    resume.check_compatible(cfg, state, chosen.path)
+    print(
+        f"resuming from {chosen.path} (after step {chosen.step} of {cfg.train.steps}, "
+        f"{len(state['parts']) - 1} stages -> {cfg.pipeline.num_stages})",
+        flush=True,
+    )
+    return chosen.path
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -30,8 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"-> {cfg.run_dir}",
         flush=True,
     )
+    resume_from = resolve_resume(cfg, args.resume) if args.resume is not None else None
     t0 = time.perf_counter()
-    rc, run_dir = launch_local(cfg)
+    rc, run_dir = launch_local(cfg, resume_from=resume_from, overwrite=args.overwrite)
     result_path = run_dir / "result.json"
     elapsed_s = time.perf_counter() - t0
     if rc != 0 or not result_path.is_file():
@@ -48,8 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"median {result['median_tokens_per_s']:.0f} tokens/s, final partition {result['parts']}"
     )
     print(f"run log: {run_dir / 'run.h5'}")
-    if cfg.train.checkpoint:
-        print(f"checkpoint: {run_dir / 'checkpoint'}")
+    latest = run_dir / "checkpoint" / "latest"
+    if latest.is_file():
+        print(f"checkpoint: {run_dir / 'checkpoint' / latest.read_text().strip()}")
     if args.report:
         from dynmo_hpc.runlog.report import write_report
 

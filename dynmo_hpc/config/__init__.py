@@ -32,6 +32,7 @@ from dynmo_hpc.config.schemes import (
 from dynmo_hpc.config.sections import (
     BALANCE_ALGORITHMS,
     BalanceSection,
+    CheckpointSection,
     DataSection,
     JobSection,
     ModelSection,
@@ -46,6 +47,7 @@ __all__ = [
     "BALANCE_ALGORITHMS",
     "LAUNCHERS",
     "BalanceSection",
+    "CheckpointSection",
     "ConfigError",
     "DataSection",
     "EarlyExitSection",

@@ -13,6 +13,7 @@ import yaml
 from dynmo_hpc.config.schemes import SchemesSection
 from dynmo_hpc.config.sections import (
     BalanceSection,
+    CheckpointSection,
     DataSection,
     JobSection,
     ModelSection,
@@ -33,6 +34,7 @@ class JobConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     balance: BalanceSection = field(default_factory=BalanceSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     schemes: SchemesSection = field(default_factory=SchemesSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)
     """SLURM submission settings; local runs ignore them."""

@@ -1,4 +1,4 @@
-"""The job's core sections: job, model, data, train, pipeline, runtime, balance.
+"""The job's core sections: job, model, data, train, pipeline, runtime, checkpoint, balance.
 
 Each is a frozen keyword-only dataclass with a docstring under every field; ``validate`` holds
 the section's own checks (cross-section checks live in :class:`~dynmo_hpc.config.job.JobConfig`).
@@ -6,6 +6,7 @@ the section's own checks (cross-section checks live in :class:`~dynmo_hpc.config
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -118,8 +119,6 @@ class TrainSection:
     """Global gradient-norm clip (across all stages); 0 disables it."""
     log_interval: int = 5
     """Steps between progress lines on rank 0."""
-    checkpoint: bool = True
-    """Write a final checkpoint (per global layer: weights and optimizer state)."""
 
     def validate(self) -> None:
         for key in ("steps", "micro_batch_size", "num_microbatches", "log_interval"):
@@ -166,12 +165,50 @@ class RuntimeSection:
     """Fault injection: raise an error on rank ``fail_rank`` at this step (tests abort handling)."""
     fail_rank: int = 0
     """The rank that fails when ``fail_at_step`` is set."""
+    fail_mode: Literal["raise", "sigterm", "sigkill_job"] = "raise"
+    """How it fails: an exception, SIGTERM to itself (stop and checkpoint), or SIGKILL to the
+    whole local job (a crash with no chance to save)."""
 
     def validate(self) -> None:
         if self.threads_per_rank < 1:
             raise ConfigError(f"runtime.threads_per_rank={self.threads_per_rank} must be >= 1")
         if self.timeout_s <= 0:
             raise ConfigError(f"runtime.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    """When checkpoints are written under ``<run dir>/checkpoint/step_<n>/``.
+
+    A checkpoint holds every layer (weights, AdamW state, scheme state) and the run's state
+    (step, partition, balancer), keyed by global layer, so ``dynmo-hpc run --resume`` continues
+    exactly, on the same or another number of stages.
+    """
+
+    every_steps: int = 20
+    """Write one every this many steps (at a step boundary); 0 = never by step count."""
+    every_minutes: float = 0.0
+    """Also write one when this many minutes passed since the last (rank 0's clock); 0 = off."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted only after a newer one is complete."""
+    at_end: bool = True
+    """Write one after the last step (a stop on SIGTERM/SIGUSR2 always writes one)."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError(
+                f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 turns it off)"
+            )
+        if not (math.isfinite(self.every_minutes) and self.every_minutes >= 0):
+            raise ConfigError(
+                f"checkpoint.every_minutes={self.every_minutes} must be a finite number >= 0 "
+                "(0 turns it off)"
+            )
+        if self.keep < 1:
+            raise ConfigError(
+                f"checkpoint.keep={self.keep} must be >= 1; HINT: 2 or more keeps a fallback "
+                "if the newest checkpoint is damaged"
+            )
 
 
 BALANCE_ALGORITHMS = ("static", "uniform", "parameters", "optimal", "diffusion")

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
-from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,15 @@ class Launcher(Protocol):
     def run(self, spec: LaunchSpec, timeout_s: float) -> int: ...
 
 
-def worker_argv(config_path: Path, python: str | None = None) -> list[str]:
+def worker_argv(
+    config_path: Path, python: str | None = None, resume_from: Path | None = None
+) -> list[str]:
     """The rank program: the training worker under ``python -m mpi4py`` (abort on exception)."""
-    return [
-        python or sys.executable,
-        "-m",
-        "mpi4py",
-        "-m",
-        "dynmo_hpc.launch.worker",
-        str(config_path),
-    ]
+    argv = [python or sys.executable, "-m", "mpi4py", "-m", "dynmo_hpc.launch.worker"]
+    argv.append(str(config_path))
+    if resume_from is not None:
+        argv += ["--resume", str(resume_from)]
+    return argv
 
 
 def venv_mpiexec() -> Path | None:
@@ -139,16 +138,28 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def launch_local(cfg: JobConfig, timeout_s: float | None = None) -> tuple[int, Path]:
+def launch_local(
+    cfg: JobConfig,
+    timeout_s: float | None = None,
+    *,
+    resume_from: Path | None = None,
+    overwrite: bool = False,
+) -> tuple[int, Path]:
     """Run ``cfg`` on ``pipeline.num_stages`` local ranks; returns (exit code, run directory).
 
-    Used by ``dynmo-hpc run``, the tests and the benchmarks. A stale ``result.json`` from an
-    earlier run of the same job is removed first, so a result file in the run directory always
-    belongs to this run.
+    Used by ``dynmo-hpc run``, the tests and the benchmarks. A new run refuses a run directory
+    that holds an earlier run's outputs, unless ``overwrite`` (then they are removed first);
+    ``resume_from`` (a verified ``checkpoint/step_<n>`` directory) continues that run instead.
+    A stale ``result.json`` is removed either way, so a result file always belongs to this run.
     """
     launcher = LocalMpiLauncher(cfg.runtime.mpi_launcher)
+    if resume_from is None:
+        claim_run_dir(cfg.run_dir, overwrite=overwrite)
     config_path = prepare_run_dir(cfg)
     (config_path.parent / "result.json").unlink(missing_ok=True)
-    spec = LaunchSpec(num_ranks=cfg.pipeline.num_stages, rank_argv=worker_argv(config_path))
+    spec = LaunchSpec(
+        num_ranks=cfg.pipeline.num_stages,
+        rank_argv=worker_argv(config_path, resume_from=resume_from),
+    )
     rc = launcher.run(spec, timeout_s=cfg.runtime.timeout_s if timeout_s is None else timeout_s)
     return rc, config_path.parent

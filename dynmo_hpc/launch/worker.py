@@ -19,13 +19,19 @@ from dynmo_hpc.pipeline.trainer import Trainer
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m mpi4py -m dynmo_hpc.launch.worker RUN_DIR/config.yaml")
+    resume_from: Path | None = None
+    if len(args) == 3 and args[1] == "--resume":
+        resume_from = Path(args[2])
+    elif len(args) != 1:
+        raise SystemExit(
+            "usage: python -m mpi4py -m dynmo_hpc.launch.worker RUN_DIR/config.yaml "
+            "[--resume CHECKPOINT_DIR]"
+        )
     comm = MPI.COMM_WORLD
     setup_logging(comm.rank)
     config_path = Path(args[0])
     cfg = config_mod.load(config_path)
-    Trainer(cfg, comm, config_path.parent).train()
+    Trainer(cfg, comm, config_path.parent, resume_from=resume_from).train()
     return 0
 
 

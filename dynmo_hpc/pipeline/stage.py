@@ -92,7 +92,11 @@ class PipelineStage:
         link: StageLink,
         dataset: TextDataset,
         device: torch.device,
+        *,
+        build_layers: bool = True,
     ) -> None:
+        """``build_layers=False`` leaves the stage empty, for a restore that brings its layers
+        through :meth:`replace_layers`."""
         self.cfg = cfg
         self.stage = stage
         self.parts = list(parts)
@@ -106,9 +110,11 @@ class PipelineStage:
         self.frozen_prefix_end = 0
         """Layers below this index are all frozen: no backward runs through them (set by the
         scheme controller at step boundaries, the same value on every rank)."""
-        self.slots: list[LayerSlot] = [
-            self.make_slot(i, build_layer(cfg, i)) for i in range(parts[stage], parts[stage + 1])
-        ]
+        self.slots: list[LayerSlot] = (
+            [self.make_slot(i, build_layer(cfg, i)) for i in range(parts[stage], parts[stage + 1])]
+            if build_layers
+            else []
+        )
 
     # ------------------------------------------------------------------ ownership
     def make_slot(self, index: int, module: nn.Module) -> LayerSlot:

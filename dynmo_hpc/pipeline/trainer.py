@@ -33,7 +33,7 @@ from dynmo_hpc.balance import uniform
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
-from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline import checkpoint, resume
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
@@ -83,13 +83,16 @@ class TrainResult:
 class Trainer:
     """Owns one rank's stage, the step loop and rank 0's reporting."""
 
-    def __init__(self, cfg: JobConfig, comm: MPI.Comm, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: JobConfig, comm: MPI.Comm, run_dir: Path, resume_from: Path | None = None
+    ) -> None:
         num_stages = cfg.pipeline.num_stages
         if comm.size != num_stages:
             raise RuntimeError(
                 f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
                 f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
             )
+        t0 = time.perf_counter()
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank
@@ -98,13 +101,34 @@ class Trainer:
         torch.set_num_threads(cfg.runtime.threads_per_rank)
         self.device = pick_device(cfg.runtime.device)
         self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
-        self.parts = initial_partition(cfg)
+        state: dict[str, Any] | None = None
+        if resume_from is not None:
+            # Rank 0 verifies (reads every file once) and shares the run state.
+            checked = resume.checked_resume_dir(cfg, resume_from) if self.rank == 0 else None
+            state = comm.bcast(checked[1] if checked else None, root=0)
+            assert state is not None
+            self.parts = resume.resume_partition(cfg, state)
+        else:
+            self.parts = initial_partition(cfg)
+        self.start_step = int(state["step"]) if state else 0
         self.link = make_link(cfg.runtime.p2p, comm, self.rank, num_stages, self.device)
         self.pipeline_stage = PipelineStage(
-            cfg, self.rank, self.parts, self.link, self.dataset, self.device
+            cfg,
+            self.rank,
+            self.parts,
+            self.link,
+            self.dataset,
+            self.device,
+            build_layers=resume_from is None,
         )
+        restore_s = 0.0
+        if resume_from is not None:
+            restore_s = resume.restore_layers(self.pipeline_stage, resume_from, comm, t0)
         self.pipeline_stage.check_invariants()
         self.schemes = SchemeController(cfg)
+        if resume_from is not None:
+            self.schemes.resume(self.pipeline_stage.slots, comm.allgather)
+            self.pipeline_stage.frozen_prefix_end = self.schemes.frozen_prefix_end
         self.migration_comm = comm.Dup()
         self.accumulator = IntervalAccumulator()
         self.tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
@@ -113,12 +137,39 @@ class Trainer:
             measure_bandwidth(self.migration_comm) if cfg.balance.algorithm != "static" else 0.0
         )
         self.result = TrainResult()
+        if state is not None:
+            balancer = state.get("balancer", {})
+            self.tracker.costs_s = balancer.get("costs_s")
+            self.num_reports = int(balancer.get("num_reports", 0))
+            history = state.get("history", {})
+            self.result.losses = list(history.get("losses", []))
+            self.result.tokens_per_s = list(history.get("tokens_per_s", []))
+            self.result.step_time_s = list(history.get("step_time_s", []))
+        self.last_checkpoint_monotonic = time.monotonic()
         self.writer: Any = None
         if self.rank == 0:
-            self.writer = self._open_runlog()
+            restart = None
+            if resume_from is not None and state is not None:
+                restart = {
+                    "checkpoint": str(resume_from),
+                    "checkpoint_step": self.start_step,
+                    "restore_s": restore_s,
+                    "parts": self.parts,
+                    "saved_parts": state["parts"],
+                }
+                log.info(
+                    "resumed from %s (step %d) in %.2f s on partition %s",
+                    resume_from,
+                    self.start_step,
+                    restore_s,
+                    self.parts,
+                )
+            self.writer = self._open_runlog(restart)
+            if resume_from is not None:
+                self._log_skipped_checkpoints(resume_from)
 
     # ------------------------------------------------------------------ rank-0 reporting
-    def _open_runlog(self) -> Any:
+    def _open_runlog(self, restart: dict[str, Any] | None) -> Any:
         from dynmo_hpc.runlog.writer import RunLogWriter
 
         meta: dict[str, str | int | float] = {
@@ -129,10 +180,27 @@ class Trainer:
             "device": str(self.device),
             "torch_version": str(torch.__version__),
         }
-        # A new run of the same job replaces its log (the CLI has already replaced its config).
+        # A resumed run appends to its log; a new run never replaces one (the launcher refuses
+        # an occupied run directory unless asked to overwrite, and then removes the old log).
         return RunLogWriter(
-            self.run_dir / "run.h5", config_yaml=self.cfg.to_yaml(), meta=meta, overwrite=True
+            self.run_dir / "run.h5",
+            config_yaml=self.cfg.to_yaml(),
+            meta=meta,
+            resume=restart is not None,
+            restart_detail=restart,
         )
+
+    def _log_skipped_checkpoints(self, chosen: Path) -> None:
+        """Warn (log and run log) about newer checkpoints that were damaged or incomplete."""
+        chosen_step = int(chosen.name.removeprefix("step_"))
+        for candidate in checkpoint.scan(chosen.parent):
+            if candidate.step > chosen_step and candidate.problem is not None:
+                log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)
+                self.writer.log_event(
+                    step=self.start_step,
+                    kind="checkpoint_skipped",
+                    detail={"path": str(candidate.path), "problem": candidate.problem},
+                )
 
     def _load_report(self, step: int) -> None:
         """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
@@ -220,7 +288,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         if cfg.runtime.fail_at_step == step and self.rank == cfg.runtime.fail_rank:
-            raise RuntimeError(f"injected failure on rank {self.rank} at step {step}")
+            inject_failure(cfg.runtime.fail_mode, self.rank, step)
         actions = build_schedule(
             cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
         )
@@ -301,15 +369,23 @@ class Trainer:
         stop = _StopRequest()
         try:
             last_step = cfg.train.steps
-            for step in range(cfg.train.steps):
+            saved_step = -1
+            for step in range(self.start_step, cfg.train.steps):
                 self.step(step)
                 if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
                     self._load_report(step)
-                if self.comm.allreduce(stop.signum, op=MPI.MAX):
+                # One collective per step: any rank's stop signal, rank 0's checkpoint clock.
+                flags = np.array([stop.signum, self._minutes_due()], dtype=np.int64)
+                self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+                if flags[0]:
                     last_step = step + 1
-                    self._preempted(step, stop.signum)
+                    self._preempted(step, int(flags[0]))
                     break
-            if cfg.train.checkpoint or last_step < cfg.train.steps:
+                every = cfg.checkpoint.every_steps
+                if step + 1 < cfg.train.steps and ((every and (step + 1) % every == 0) or flags[1]):
+                    self.save_checkpoint(step + 1)
+                    saved_step = step + 1
+            if (cfg.checkpoint.at_end or last_step < cfg.train.steps) and saved_step != last_step:
                 self.save_checkpoint(last_step)
             self.result.parts = list(self.parts)
             if self.rank == 0:
@@ -332,6 +408,13 @@ class Trainer:
             self.writer.close()
         return self.result
 
+    def _minutes_due(self) -> int:
+        """1 if rank 0's clock says a time-based checkpoint is due (other ranks say 0)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        if self.rank != 0 or not minutes:
+            return 0
+        return int(time.monotonic() - self.last_checkpoint_monotonic >= 60.0 * minutes)
+
     def _preempted(self, step: int, signum: int) -> None:
         """SIGUSR2/SIGTERM (SLURM's warning before the time limit or a preemption) arrived."""
         if self.rank == 0:
@@ -345,27 +428,58 @@ class Trainer:
                 self.cfg.train.steps,
             )
 
+    def run_state(self, step: int) -> dict[str, Any]:
+        """Rank 0: the run's state after ``step`` completed steps (see :mod:`.resume`)."""
+        cfg = self.cfg
+        return {
+            "step": step,
+            "num_stages": cfg.pipeline.num_stages,
+            "parts": list(self.parts),
+            "num_layers": cfg.model.num_layers,
+            "identity": resume.identity(cfg),
+            "config_sha256": resume.config_sha256(cfg),
+            "data": {"next_step": step, "batches": "pure function of (job.seed, step, microbatch)"},
+            "lr_schedule": {"next_step": step, "next_lr": lr_at(step, cfg.train)},
+            "rng": {"seed": cfg.job.seed, "stateful_generators": []},
+            "frozen_prefix_end": self.schemes.frozen_prefix_end,
+            "balancer": {
+                "costs_s": self.tracker.costs_s,
+                "num_reports": self.num_reports,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            },
+            "history": {
+                "losses": self.result.losses,
+                "tokens_per_s": self.result.tokens_per_s,
+                "step_time_s": self.result.step_time_s,
+            },
+        }
+
     def save_checkpoint(self, step: int) -> Path:
-        directory = self.run_dir / "checkpoint"
-        t0 = time.perf_counter()
-        for slot in self.pipeline_stage.slots:
-            checkpoint.save_layer(directory, slot.index, slot.module, slot.optimizer)
-        self.comm.Barrier()
+        """Write checkpoint ``step`` (collective) and log it on rank 0."""
+        state = self.run_state(step) if self.rank == 0 else None
+        directory, seconds, num_bytes = resume.save(
+            self.comm, self.run_dir, step, self.pipeline_stage, self.cfg.checkpoint.keep, state
+        )
+        self.last_checkpoint_monotonic = time.monotonic()
         if self.rank == 0:
-            checkpoint.write_meta(
-                directory,
-                {
+            self.writer.log_event(
+                step=step - 1,
+                kind="checkpoint",
+                detail={
+                    "path": str(directory),
                     "step": step,
-                    "parts": self.parts,
-                    "num_layers": self.cfg.model.num_layers,
+                    "seconds": seconds,
+                    "bytes": num_bytes,
                 },
             )
-            self.writer.log_event(
-                step=step,
-                kind="checkpoint",
-                detail={"path": str(directory), "seconds": time.perf_counter() - t0},
+            self.writer.flush()
+            log.info(
+                "checkpoint step %d: %.1f MB in %.2f s -> %s",
+                step,
+                num_bytes / 1e6,
+                seconds,
+                directory,
             )
-            log.info("checkpoint written to %s", directory)
         return directory
 
 
@@ -396,3 +510,18 @@ def count_nodes(comm: MPI.Comm) -> int:
     """Distinct nodes in the job (SLURM node names when present: all "nodes" may share a host)."""
     name = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
     return len(set(comm.allgather(name)))
+
+
+def inject_failure(mode: str, rank: int, step: int) -> None:
+    """Fault injection for tests (``runtime.fail_at_step``): fail the way ``mode`` says.
+
+    ``raise``: an exception (the job aborts with its traceback); ``sigterm``: SIGTERM to this
+    rank (the stop-and-checkpoint path); ``sigkill_job``: SIGKILL to the launcher's whole process
+    group, as a crashed node or an OOM kill would end the job, with no chance to save.
+    """
+    if mode == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if mode == "sigkill_job":
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    raise RuntimeError(f"injected failure on rank {rank} at step {step}")

@@ -3,11 +3,12 @@
 Why this shape:
 
 - **Cheap per step.** ``log_*`` calls only append tuples to in-memory lists; rows reach the file on
-  :meth:`RunLogWriter.flush`, which the engine calls at every load report, and automatically every
+  :meth:`RunLogWriter.flush`, which the trainer calls at every load report, and automatically every
   ``flush_every_rows`` buffered rows or ``flush_every_s`` seconds, whichever comes first.
-- **Readable while running, and after SIGKILL.** The file is in SWMR mode (``libver='latest'``,
-  ``swmr_mode = True``): a reader opening it with ``swmr=True`` sees every flushed row, and a
-  killed writer leaves a file that such a reader opens with everything up to the last flush.
+- **Readable while running, and after SIGKILL.** The file is in SWMR mode (HDF5 1.10 format,
+  :data:`LIBVER`, ``swmr_mode = True``): a reader opening it with ``swmr=True`` sees every
+  flushed row, and a killed writer leaves a file that such a reader opens with everything up to
+  the last flush.
   (A plain ``h5py.File(path, 'r')`` refuses a killed writer's file until ``h5clear -s`` is run;
   :func:`dynmo_hpc.runlog.load` always opens with ``swmr=True``.)
 - **Never half-created.** The file is built under a temporary name (attributes, every dataset,
@@ -40,6 +41,11 @@ from dynmo_hpc.runlog import schema
 from dynmo_hpc.version import __version__
 
 log = logging.getLogger(__name__)
+
+LIBVER = ("v110", "v110")
+"""The HDF5 file format written: 1.10's, the oldest that supports SWMR, so every HDF5 reader
+from 1.10 on (Debian's h5dump, MATLAB, older h5py builds, clusters' HDF5 modules) opens it.
+``libver="latest"`` with h5py's bundled HDF5 2.0 writes a format those tools cannot read."""
 
 MetaValue = str | int | float
 
@@ -129,6 +135,7 @@ class RunLogWriter:
         flush_every_s: float = 10.0,
         overwrite: bool = False,
         resume: bool = False,
+        restart_detail: dict[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
         self.flush_every_rows = flush_every_rows
@@ -162,7 +169,7 @@ class RunLogWriter:
         self._start_unix_s = float(self._file.attrs["start_time_unix_s"])
         self._last_flush_monotonic = time.monotonic()
         log.info("run log: %s (schema %d)", self.path, schema.SCHEMA_VERSION)
-        if exists and resume:
+        if resume and (exists or restart_detail is not None):
             self.log_event(
                 step=self._last_step,
                 kind=schema.RESTART_EVENT_KIND,
@@ -173,6 +180,7 @@ class RunLogWriter:
                     "config_changed": config_yaml != self._file.attrs["config_yaml"],
                     "config_yaml": config_yaml,
                     "meta": meta,
+                    **(restart_detail or {}),
                 },
             )
             self.flush()
@@ -199,7 +207,7 @@ class RunLogWriter:
         """Build the complete file under a temporary name, switch SWMR on, then rename it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        f = h5py.File(tmp, "w", libver="latest", locking="best-effort")
+        f = h5py.File(tmp, "w", libver=LIBVER, locking="best-effort")
         try:
             if resume_from is not None:
                 attrs = self._copy_rows(resume_from, f)  # the original run's attributes

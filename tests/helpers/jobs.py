@@ -27,7 +27,8 @@ TINY = [
     "train.num_microbatches=4",
     "train.steps=4",
     "train.log_interval=1",
-    "train.checkpoint=false",
+    "checkpoint.at_end=false",
+    "checkpoint.every_steps=0",
     "balance.interval=2",
     "balance.algorithm=static",
 ]

@@ -1,0 +1,185 @@
+"""What a checkpoint holds for a run, and how every rank saves and restores it (collectively).
+
+The invariant this module exists for: a run stopped after step k and resumed, on the same or a
+different number of stages, produces per-step losses bitwise equal to a run never stopped. That
+holds because everything the math depends on is either in the checkpoint or a pure function of
+``(config, step)``:
+
+- per global layer: weights, AdamW state (moments, step count) and every scheme's state, which
+  lives in the layer's state dict (pruned shapes, routers, frozen flags, densities, exit heads);
+- the step count, which fixes the data position (batches are a pure function of
+  ``(seed, step, microbatch)``, :mod:`dynmo_hpc.pipeline.data`) and the LR schedule position;
+- the random streams: weights are initialised from ``(seed, layer)`` and batches from
+  ``(seed, step, microbatch)``; training draws from no stateful generator, so the seed is the
+  whole RNG state and is part of the run's identity;
+- the frozen prefix, re-derived from the layers' frozen flags.
+
+The balancer's state (smoothed costs, report count, bandwidth) and the loss history are saved
+too, so the resumed run decides from the same history and its result covers every step. Costs
+are measurements and never repeat exactly, so later balancing decisions may differ; the losses
+do not, because migration is invisible to the math.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpi4py import MPI
+
+from dynmo_hpc.balance import partition, uniform
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.errors import CheckpointError
+from dynmo_hpc.model.schemes import restore_layer
+from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
+
+log = logging.getLogger(__name__)
+
+IDENTITY_SECTIONS = ("model", "schemes", "data")
+"""Config sections a checkpoint must agree with (plus ``job.seed``): they fix the math."""
+
+
+def identity(cfg: JobConfig) -> dict[str, Any]:
+    """The config keys that make a checkpoint's layers and data meaningful, flattened."""
+    data = cfg.to_dict()
+    out = {"job.seed": cfg.job.seed}
+    for section in IDENTITY_SECTIONS:
+        out.update(checkpoint.flatten(section, data[section]))
+    return out
+
+
+def config_sha256(cfg: JobConfig) -> str:
+    return hashlib.sha256(cfg.to_yaml().encode()).hexdigest()
+
+
+def check_compatible(cfg: JobConfig, state: dict[str, Any], where: Path) -> None:
+    """Refuse a checkpoint whose model, schemes, data or seed differ from the job's."""
+    differing = checkpoint.incompatible_keys(state.get("identity", {}), identity(cfg))
+    if differing:
+        saved = state.get("identity", {})
+        shown = ", ".join(
+            f"{k} (checkpoint {saved.get(k)!r}, job {identity(cfg).get(k)!r})"
+            for k in differing[:6]
+        )
+        more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
+        raise CheckpointError(
+            f"checkpoint {where} does not fit this job: {shown}{more} differ; HINT: resume with "
+            "the job file that wrote it, or start a new run (another job.name, or --overwrite)"
+        )
+
+
+def resume_partition(cfg: JobConfig, state: dict[str, Any]) -> list[int]:
+    """The partition to resume on.
+
+    ``pipeline.partition`` if the job gives one; the saved partition if the stage count is
+    unchanged; otherwise the optimal partition of the saved smoothed costs for the new stage
+    count (uniform when no costs were measured yet, or the job balances statically).
+    """
+    num_stages = cfg.pipeline.num_stages
+    if cfg.pipeline.partition is not None:
+        return list(cfg.pipeline.partition)
+    saved = [int(b) for b in state["parts"]]
+    if len(saved) - 1 == num_stages:
+        return saved
+    costs = state.get("balancer", {}).get("costs_s")
+    if costs and cfg.balance.algorithm not in ("static", "uniform"):
+        return partition(costs, num_stages, "optimal")
+    return uniform([1.0] * cfg.model.num_layers, num_stages)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a rank learned from the checkpoint it resumed from."""
+
+    directory: Path
+    step: int
+    """Completed steps: training continues with this step index."""
+    state: dict[str, Any]
+    restore_s: float
+    """Slowest rank's seconds to read and rebuild its layers."""
+
+
+def restore_layers(
+    pipeline_stage: PipelineStage, directory: Path, comm: MPI.Comm, t0: float
+) -> float:
+    """Rebuild this rank's layers from ``directory`` (weights, AdamW, scheme state, counters).
+
+    ``pipeline_stage`` must have been built without layers. Returns the slowest rank's restore
+    time in seconds, counted from ``t0``. A rank that fails raises; under ``python -m mpi4py``
+    that aborts the job with its message.
+    """
+    stage = pipeline_stage
+    cfg = stage.cfg
+    slots: list[LayerSlot] = []
+    for index in range(stage.parts[stage.stage], stage.parts[stage.stage + 1]):
+        payload = checkpoint.load_layer(directory, index)
+        module = restore_layer(cfg, index, payload["module"])
+        checkpoint.restore_counters(module, payload.get("counters", {}))
+        slot = stage.make_slot(index, module)
+        try:
+            slot.optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"{directory / checkpoint.layer_name(index)}: optimizer state does not fit the "
+                f"layer ({exc}); HINT: resume from a checkpoint written by this version"
+            ) from None
+        slots.append(slot)
+    stage.replace_layers(stage.parts, arrived=slots, leaving=set())
+    return float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+
+
+def save(
+    comm: MPI.Comm,
+    run_dir: Path,
+    step: int,
+    pipeline_stage: PipelineStage,
+    keep: int,
+    run_state: dict[str, Any] | None,
+) -> tuple[Path, float, int]:
+    """Write checkpoint ``step`` collectively; returns (its path, seconds, bytes written).
+
+    Every rank writes its own layers; rank 0 (which passes ``run_state``; the others pass None)
+    then writes the run state and the manifest, last, so the checkpoint is complete only once
+    every file is. A stale directory of the same step (a replay after a crash) is replaced.
+    """
+    t0 = time.perf_counter()
+    root = checkpoint.checkpoint_root(run_dir)
+    directory = checkpoint.step_dir(root, step)
+    if comm.rank == 0 and directory.exists():
+        shutil.rmtree(directory)
+    comm.Barrier()
+    files: dict[str, dict[str, int]] = {}
+    for slot in pipeline_stage.slots:
+        data = checkpoint.layer_bytes(slot.index, slot.module, slot.optimizer)
+        files[checkpoint.layer_name(slot.index)] = checkpoint.write_file(
+            directory, checkpoint.layer_name(slot.index), data
+        )
+    gathered = comm.gather(files, root=0)
+    if comm.rank == 0:
+        assert run_state is not None, "rank 0 writes the run state"
+        merged = {name: entry for part in gathered for name, entry in part.items()}
+        merged[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, run_state)
+        checkpoint.commit(root, step, merged, keep)
+        num_bytes = sum(entry["bytes"] for entry in merged.values())
+    else:
+        num_bytes = 0
+    seconds = float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return directory, seconds, int(comm.bcast(num_bytes, root=0))
+
+
+def checked_resume_dir(cfg: JobConfig, path: Path) -> tuple[Path, dict[str, Any]]:
+    """Verify ``path`` (a ``step_<n>`` directory) and its fit to ``cfg``; returns it and its
+    run state. Used by the ranks, so a checkpoint damaged after the launcher chose it is still
+    refused with a clear error."""
+    problem = checkpoint.verify(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be resumed from: {problem}")
+    state = checkpoint.read_run_state(path)
+    check_compatible(cfg, state, path)
+    return path, state
