@@ -92,7 +92,6 @@ class Trainer:
                 f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
                 f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
             )
-        t0 = time.perf_counter()
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank
@@ -102,6 +101,7 @@ class Trainer:
         self.device = pick_device(cfg.runtime.device)
         self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
         state: dict[str, Any] | None = None
+        restore_t0 = time.perf_counter()
         if resume_from is not None:
             # Rank 0 verifies (reads every file once) and shares the run state.
             checked = resume.checked_resume_dir(cfg, resume_from) if self.rank == 0 else None
@@ -123,7 +123,7 @@ class Trainer:
         )
         restore_s = 0.0
         if resume_from is not None:
-            restore_s = resume.restore_layers(self.pipeline_stage, resume_from, comm, t0)
+            restore_s = resume.restore_layers(self.pipeline_stage, resume_from, comm, restore_t0)
         self.pipeline_stage.check_invariants()
         self.schemes = SchemeController(cfg)
         if resume_from is not None:
@@ -187,6 +187,7 @@ class Trainer:
             config_yaml=self.cfg.to_yaml(),
             meta=meta,
             resume=restart is not None,
+            redo_from_step=self.start_step if restart is not None else None,
             restart_detail=restart,
         )
 

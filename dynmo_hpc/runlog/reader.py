@@ -4,6 +4,11 @@ Why always ``swmr=True``: a file whose writer is still running, or was killed, k
 "open for write" flag; a plain read-only open refuses it ("may use <h5clear file>"), while a SWMR
 reader opens it and sees every row up to the writer's last flush. Tables are read in one pass,
 so on a live file they may end a flush apart (e.g. a step row whose stage times are not in yet).
+
+A resumed run appends to its run log (schema 2): every row carries the ``segment`` (launch) that
+wrote it, and rows of steps that a later segment redid are marked ``superseded``. :func:`load`
+returns the authoritative rows only (one history, as if the run had never stopped) unless asked
+for all of them; :attr:`RunLog.restarts` lists the restarts.
 """
 
 from __future__ import annotations
@@ -45,6 +50,40 @@ class RunLog:
     events: pd.DataFrame
     """One row per event: step, wall_s, kind (str), detail (dict)."""
 
+    superseded: dict[str, pd.DataFrame]
+    """Per step-keyed table, the rows of steps a later segment redid (empty if none were)."""
+
+    @property
+    def restarts(self) -> pd.DataFrame:
+        """One row per resume: step (the last step kept), segment, checkpoint, restore_s, ..."""
+        rows = self.events[self.events["kind"] == schema.RESTART_EVENT_KIND]
+        records = []
+        for _, row in rows.iterrows():
+            detail = row["detail"]
+            records.append(
+                {
+                    "step": int(row["step"]),
+                    "wall_s": float(row["wall_s"]),
+                    "segment": int(detail.get("segment", row.get("segment", 0))),
+                    "checkpoint": detail.get("checkpoint"),
+                    "checkpoint_step": detail.get("checkpoint_step"),
+                    "restore_s": detail.get("restore_s"),
+                    "superseded_rows": int(detail.get("superseded_rows", 0)),
+                    "num_stages": len(detail["parts"]) - 1 if "parts" in detail else None,
+                }
+            )
+        columns = [
+            "step",
+            "wall_s",
+            "segment",
+            "checkpoint",
+            "checkpoint_step",
+            "restore_s",
+            "superseded_rows",
+            "num_stages",
+        ]
+        return pd.DataFrame.from_records(records, columns=columns)
+
     @property
     def end_status(self) -> str | None:
         """The status ``close()`` recorded ("ok", "error"), or None if the writer never closed."""
@@ -75,6 +114,7 @@ def _py(value: Any) -> Any:
 
 def _events(f: h5py.File) -> pd.DataFrame:
     rows = f[schema.EVENTS.name][()]
+    has_segment = schema.SEGMENT_COLUMN in (rows.dtype.names or ())
     blob = f[schema.EVENT_DETAIL][()].tobytes()
     records = []
     for row in rows:
@@ -88,13 +128,36 @@ def _events(f: h5py.File) -> pd.DataFrame:
                 "wall_s": float(row["wall_s"]),
                 "kind": row["kind"].decode(),
                 "detail": json.loads(blob[start : start + length]),
+                "segment": int(row[schema.SEGMENT_COLUMN]) if has_segment else 0,
             }
         )
-    return pd.DataFrame.from_records(records, columns=["step", "wall_s", "kind", "detail"])
+    columns = ["step", "wall_s", "kind", "detail", "segment"]
+    return pd.DataFrame.from_records(records, columns=columns)
 
 
-def load(path: str | Path) -> RunLog:
-    """Read a run log (finished, live or crashed) into a :class:`RunLog`."""
+def _split_superseded(
+    name: str, table: pd.DataFrame, include_superseded: bool
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(authoritative rows, superseded rows) of one table; schema 1 files get the columns."""
+    if schema.SEGMENT_COLUMN not in table.columns:
+        table[schema.SEGMENT_COLUMN] = 0
+    if name not in schema.STEP_KEYED_TABLES:
+        return table, table.iloc[0:0]
+    if schema.SUPERSEDED_COLUMN not in table.columns:
+        table[schema.SUPERSEDED_COLUMN] = 0
+    redone = table[schema.SUPERSEDED_COLUMN].astype(bool)
+    superseded = table[redone].reset_index(drop=True)
+    if include_superseded:
+        return table, superseded
+    return table[~redone].reset_index(drop=True), superseded
+
+
+def load(path: str | Path, *, include_superseded: bool = False) -> RunLog:
+    """Read a run log (finished, live or crashed) into a :class:`RunLog`.
+
+    ``include_superseded=True`` keeps the rows of redone steps in the tables too (their
+    ``superseded`` column is 1); by default they are only in :attr:`RunLog.superseded`.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no run log; HINT: runs write runs/<job>/run.h5")
@@ -109,6 +172,9 @@ def load(path: str | Path) -> RunLog:
             )
         tables = {spec.name: pd.DataFrame(f[spec.name][()]) for spec in schema.TABLES}
         events = _events(f)
+    superseded = {}
+    for name in schema.STEP_KEYED_TABLES:
+        tables[name], superseded[name] = _split_superseded(name, tables[name], include_superseded)
     config = yaml.safe_load(attrs.get("config_yaml", "")) or {}
     if not isinstance(config, dict):
         log.warning("%s: config_yaml is not a mapping; config left empty", path)
@@ -122,4 +188,5 @@ def load(path: str | Path) -> RunLog:
         layer_costs=tables[schema.LAYER_COSTS.name],
         partitions=tables[schema.PARTITIONS.name],
         events=events,
+        superseded=superseded,
     )

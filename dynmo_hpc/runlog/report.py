@@ -140,6 +140,23 @@ def _partitions(run: RunLog) -> list[str]:
     return lines
 
 
+def _restarts(run: RunLog) -> list[str]:
+    """One line per resume: where it continued from, how long the restore took, what was redone."""
+    restarts = run.restarts
+    if restarts.empty:
+        return [f"Restarts: none ({len(run.steps)} steps in one launch)"]
+    lines = [f"Restarts: {len(restarts)} (the run log holds {len(restarts) + 1} segments)"]
+    for r in restarts.itertuples(index=False):
+        restore = "" if r.restore_s is None else f" in {r.restore_s:.2f} s"
+        stages = "" if r.num_stages is None else f" on {r.num_stages} stages"
+        source = f" from {r.checkpoint}" if r.checkpoint else ""
+        lines.append(
+            f"  segment {r.segment}: resumed after step {r.step}{source}{restore}{stages}; "
+            f"{r.superseded_rows} redone step rows marked superseded"
+        )
+    return lines
+
+
 def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: int) -> list[str]:
     if run.events.empty:
         return ["Events: none"]
@@ -168,7 +185,7 @@ def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: i
 
 
 def summarize(run: RunLog, *, window_steps: int = DEFAULT_WINDOW_STEPS) -> str:
-    """The text summary: header, throughput over time, imbalance, partitions, events + effects."""
+    """The text summary: header, throughput, imbalance, partitions, restarts, events + effects."""
     steps = metrics.last_logged(run.steps)
     imb = metrics.imbalance(run.stage_times)
     sections = [
@@ -176,6 +193,7 @@ def summarize(run: RunLog, *, window_steps: int = DEFAULT_WINDOW_STEPS) -> str:
         _throughput(steps, imb),
         _imbalance(imb, run, window_steps),
         _partitions(run),
+        _restarts(run),
         _events(run, steps, imb, window_steps),
     ]
     return "\n".join("\n".join(section) for section in sections) + "\n"

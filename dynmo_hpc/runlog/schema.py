@@ -23,8 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCHEMA_VERSION = 1
-"""Layout version stored in the root attribute ``schema_version``; readers refuse newer files."""
+SCHEMA_VERSION = 2
+"""Layout version stored in the root attribute ``schema_version``; readers refuse newer files.
+
+Version 2 added ``segment`` (every table) and ``superseded`` (the step-keyed tables), which mark
+the rows of steps that a resumed run redid; version 1 files are still read."""
 
 KIND_MAX_BYTES = 32
 """Longest event kind in bytes (UTF-8); kinds are short identifiers such as ``rebalance``."""
@@ -40,6 +43,17 @@ ERROR_EVENT_KIND = "error"
 
 RESTART_EVENT_KIND = "restart"
 """Kind of the event written when a writer resumes an existing run log."""
+
+SEGMENT_COLUMN = "segment"
+"""Which launch of the run wrote a row: 0 for the first, +1 at every resume (every table)."""
+
+SUPERSEDED_COLUMN = "superseded"
+"""1 on a row of a step that a later segment redid (it resumed from a checkpoint taken before
+that step); 0 on the authoritative rows. Only the step-keyed tables carry it; events are history
+and are never superseded."""
+
+STEP_KEYED_TABLES = ("steps", "stage_times", "layer_costs", "partitions")
+"""Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ STEPS = TableSpec(
             ("num_stages", "<i4"),
             ("num_ranks", "<i4"),
             ("num_nodes", "<i4"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
         ]
     ),
     chunk_rows=1024,
@@ -74,7 +90,16 @@ STEPS = TableSpec(
 
 STAGE_TIMES = TableSpec(
     name="stage_times",
-    dtype=np.dtype([("step", "<i8"), ("stage", "<i4"), ("compute_s", "<f8"), ("idle_s", "<f8")]),
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("stage", "<i4"),
+            ("compute_s", "<f8"),
+            ("idle_s", "<f8"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
+        ]
+    ),
     chunk_rows=4096,
 )
 
@@ -90,6 +115,8 @@ LAYER_COSTS = TableSpec(
             ("param_bytes", "<i8"),
             ("grad_bytes", "<i8"),
             ("optim_bytes", "<i8"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
         ]
     ),
     chunk_rows=4096,
@@ -104,6 +131,8 @@ PARTITIONS = TableSpec(
             ("start_layer", "<i4"),
             ("end_layer", "<i4"),
             ("peak_mem_bytes", "<i8"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
         ]
     ),
     chunk_rows=2048,
@@ -118,6 +147,7 @@ EVENTS = TableSpec(
             ("kind", f"S{KIND_MAX_BYTES}"),
             ("detail_offset", "<i8"),
             ("detail_len", "<i8"),
+            ("segment", "<i4"),
         ]
     ),
     chunk_rows=512,

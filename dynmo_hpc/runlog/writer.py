@@ -123,6 +123,9 @@ class RunLogWriter:
 
     ``overwrite=True`` replaces an existing file; ``resume=True`` carries an existing file's rows
     and root attributes into the new one (e.g. after a requeue) and logs a ``restart`` event.
+    ``redo_from_step=k`` (with ``resume``) says the resumed run continues from a checkpoint taken
+    after ``k`` steps: the copied rows of steps ``>= k`` are marked ``superseded``, so each step
+    keeps one authoritative row set. New rows carry the next ``segment`` number.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class RunLogWriter:
         flush_every_s: float = 10.0,
         overwrite: bool = False,
         resume: bool = False,
+        redo_from_step: int | None = None,
         restart_detail: dict[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
@@ -162,9 +166,15 @@ class RunLogWriter:
         self._detail_len_bytes = 0
         self._num_buffered_rows = 0
         self._last_step = -1
+        self._segment = 0
+        self._num_superseded_rows = 0
         self._closed = False
         attrs = self._root_attrs(config_yaml, meta)
-        self._file = self._create(attrs, resume_from=self.path if exists and resume else None)
+        self._file = self._create(
+            attrs,
+            resume_from=self.path if exists and resume else None,
+            redo_from_step=redo_from_step,
+        )
         self._datasets = {name: self._file[name] for name in (*self._buffers, schema.EVENT_DETAIL)}
         self._start_unix_s = float(self._file.attrs["start_time_unix_s"])
         self._last_flush_monotonic = time.monotonic()
@@ -175,6 +185,8 @@ class RunLogWriter:
                 kind=schema.RESTART_EVENT_KIND,
                 detail={
                     "resumed_after_step": self._last_step,
+                    "segment": self._segment,
+                    "superseded_rows": self._num_superseded_rows,
                     "hostname": attrs["hostname"],
                     "pid": attrs["pid"],
                     "config_changed": config_yaml != self._file.attrs["config_yaml"],
@@ -203,14 +215,17 @@ class RunLogWriter:
         attrs.update(meta)
         return attrs
 
-    def _create(self, attrs: dict[str, MetaValue], resume_from: Path | None) -> h5py.File:
+    def _create(
+        self, attrs: dict[str, MetaValue], resume_from: Path | None, redo_from_step: int | None
+    ) -> h5py.File:
         """Build the complete file under a temporary name, switch SWMR on, then rename it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         f = h5py.File(tmp, "w", libver=LIBVER, locking="best-effort")
         try:
             if resume_from is not None:
-                attrs = self._copy_rows(resume_from, f)  # the original run's attributes
+                # the original run's attributes
+                attrs = self._copy_rows(resume_from, f, redo_from_step)
             else:
                 _create_tables(f)
             for key, value in attrs.items():
@@ -223,8 +238,14 @@ class RunLogWriter:
             raise
         return f
 
-    def _copy_rows(self, src_path: Path, dst: h5py.File) -> dict[str, MetaValue]:
-        """Copy a previous run log's tables into ``dst``; return its root attributes."""
+    def _copy_rows(
+        self, src_path: Path, dst: h5py.File, redo_from_step: int | None
+    ) -> dict[str, MetaValue]:
+        """Copy a previous run log's tables into ``dst``; return its root attributes.
+
+        Rows of steps ``>= redo_from_step`` (steps this resumed run will run again) are marked
+        superseded; the new rows get the next segment number.
+        """
         with h5py.File(src_path, "r", swmr=True, locking="best-effort") as src:
             version = int(src.attrs.get("schema_version", -1))
             if version != schema.SCHEMA_VERSION:
@@ -233,13 +254,26 @@ class RunLogWriter:
                     f"{schema.SCHEMA_VERSION} only; HINT: start a new run log (overwrite=True)"
                 )
             _create_tables(dst)
+            segments = [-1]
             for spec in schema.TABLES:
-                _append(dst[spec.name], src[spec.name][()])
+                rows = src[spec.name][()]
+                if len(rows):
+                    segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
+                if redo_from_step is not None and spec.name in schema.STEP_KEYED_TABLES:
+                    redone = (rows["step"] >= redo_from_step) & (
+                        rows[schema.SUPERSEDED_COLUMN] == 0
+                    )
+                    rows[schema.SUPERSEDED_COLUMN][redone] = 1
+                    if spec is schema.STEPS:
+                        self._num_superseded_rows = int(redone.sum())
+                _append(dst[spec.name], rows)
             detail = src[schema.EVENT_DETAIL][()]
             _append(dst[schema.EVENT_DETAIL], detail)
             self._detail_len_bytes = len(detail)
-            steps = dst[schema.STEPS.name]["step"]
-            self._last_step = int(steps.max()) if len(steps) else -1
+            self._segment = max(segments) + 1
+            steps = dst[schema.STEPS.name][()]
+            kept = steps["step"][steps[schema.SUPERSEDED_COLUMN] == 0]
+            self._last_step = int(kept.max()) if len(kept) else -1
             return {key: value for key, value in src.attrs.items()}
 
     # -- logging API: append to buffers only ----------------------------------------------------
@@ -270,6 +304,8 @@ class RunLogWriter:
                 int(num_stages),
                 int(num_ranks),
                 int(num_nodes),
+                self._segment,
+                0,
             )
         )
         self._rows_added(1)
@@ -282,7 +318,9 @@ class RunLogWriter:
         num_stages = _check_same_length("log_stage_times", compute_s=compute_s, idle_s=idle_s)
         rows = self._buffers[schema.STAGE_TIMES.name]
         for stage in range(num_stages):
-            rows.append((int(step), stage, float(compute_s[stage]), float(idle_s[stage])))
+            rows.append(
+                (int(step), stage, float(compute_s[stage]), float(idle_s[stage]), self._segment, 0)
+            )
         self._rows_added(num_stages)
 
     def log_layer_report(
@@ -334,6 +372,8 @@ class RunLogWriter:
                     int(param_bytes[layer]),
                     int(grad_bytes[layer]),
                     int(optim_bytes[layer]),
+                    self._segment,
+                    0,
                 )
             )
         part_rows = self._buffers[schema.PARTITIONS.name]
@@ -345,6 +385,8 @@ class RunLogWriter:
                     int(parts[stage]),
                     int(parts[stage + 1]),
                     int(peak_mem_bytes[stage]),
+                    self._segment,
+                    0,
                 )
             )
         self._rows_added(num_layers + num_stages)
@@ -366,7 +408,7 @@ class RunLogWriter:
         offset = self._detail_len_bytes + len(self._detail_buffer)
         self._detail_buffer += payload
         self._buffers[schema.EVENTS.name].append(
-            (int(step), self._wall_s(), kind_bytes, offset, len(payload))
+            (int(step), self._wall_s(), kind_bytes, offset, len(payload), self._segment)
         )
         log.debug("event at step %d: %s %s", step, kind, payload[:200])
         self._rows_added(1)
