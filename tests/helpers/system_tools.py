@@ -1,4 +1,4 @@
-"""Debian command-line tools a test needs (e.g. ``h5dump`` from ``hdf5-tools``), installed on demand.
+"""Debian command-line tools a test needs (e.g. ``h5dump`` of ``hdf5-tools``), got on demand.
 
 Same policy as the SLURM cluster fixture: as root with ``apt-get`` the package is installed
 (``make test`` on a fresh machine needs nothing else); elsewhere the test skips with the reason;
