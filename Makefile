@@ -23,8 +23,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	@touch $(STAMP)
 
+# --overwrite: the demo may be run again (a plain `dynmo-hpc run` refuses to replace a run).
 run: $(STAMP)
-	$(VENV)/bin/dynmo-hpc run $(JOB) --report
+	$(VENV)/bin/dynmo-hpc run $(JOB) --overwrite --report
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -ra

@@ -57,8 +57,9 @@ def test_run_end_to_end_writes_run_dir(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "default"
     assert (run_dir / "config.yaml").is_file() and (run_dir / "run.h5").is_file()
-    assert (run_dir / "checkpoint" / "meta.json").is_file()
-    assert "done in" in out.stdout
+    assert (run_dir / "checkpoint" / "step_4" / "manifest.json").is_file()
+    assert (run_dir / "checkpoint" / "latest").read_text().strip() == "step_4"
+    assert "done in" in out.stdout and "checkpoint/step_4" in out.stdout
     # Progress lines on rank 0: step, loss, tokens/s, ETA.
     assert "step 4/4 | loss" in out.stderr and "tok/s" in out.stderr and "ETA" in out.stderr
 

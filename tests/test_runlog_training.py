@@ -14,6 +14,7 @@ import pytest
 
 from dynmo_hpc.launch.local import openmpi_env
 from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
 from tests.helpers.jobs import ROOT, run_job, tiny_config
@@ -128,5 +129,7 @@ def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
     assert len(preempt) == 1 and log.end_status == "ok"
     completed = int(preempt["detail"].iloc[0]["completed_steps"])
     assert 3 <= completed < 400 and len(log.steps) == completed
-    meta = json.loads((cfg.run_dir / "checkpoint" / "meta.json").read_text())
-    assert meta["step"] == completed
+    step_dir = cfg.run_dir / "checkpoint" / f"step_{completed}"
+    assert checkpoint.verify(step_dir) is None
+    state = json.loads((step_dir / "run_state.json").read_text())
+    assert state["step"] == completed

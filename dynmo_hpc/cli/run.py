@@ -57,6 +57,17 @@ def resolve_resume(cfg: config_mod.JobConfig, path_text: str) -> Path:
     return chosen.path
 
 
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint of ``run_dir``, or None."""
+    from dynmo_hpc.errors import CheckpointError
+    from dynmo_hpc.pipeline import checkpoint
+
+    try:
+        return checkpoint.resolve(run_dir)[0].path
+    except CheckpointError:
+        return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Train the job on ``pipeline.num_stages`` local ranks; print the outcome."""
     cfg = config_mod.load(args.job, args.overrides)
@@ -76,8 +87,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"rank's traceback is above; run directory: {run_dir}",
             file=sys.stderr,
         )
+        newest = _newest_checkpoint(run_dir)
+        if newest is not None:
+            print(
+                f"HINT: {newest} is intact; continue from it with the same command and --resume",
+                file=sys.stderr,
+            )
         return rc or 1
     result = json.loads(result_path.read_text())
+    completed, wanted = result.get("completed_steps"), result.get("num_steps")
+    if completed is not None and wanted is not None and completed < wanted:
+        print(
+            f"stopped by a signal after step {completed} of {wanted}, with a checkpoint; "
+            "continue with the same command and --resume"
+        )
     print(
         f"done in {elapsed_s:.1f} s: {len(result['losses'])} steps, loss "
         f"{result['losses'][0]:.4f} -> {result['final_loss']:.4f}, "

@@ -21,7 +21,7 @@ from typing import Any
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 from dynmo_hpc.slurm.sbatch import render_sbatch
 from dynmo_hpc.slurm.scheduler import (
     check_fits_cluster,
@@ -45,6 +45,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     add_overrides_argument(p, example="slurm.nodes=4 --set slurm.partition=gpu")
     p.add_argument(
         "--wait", action="store_true", help="wait for the job to end; exit 1 unless COMPLETED"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run of this job (its run log, checkpoints and result); "
+        "without it, submitting into a run directory that holds a run is refused",
     )
 
 
@@ -96,6 +102,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     cfg = resolve_for_cluster(config_mod.from_dict(data, source=source))
     if args.submit:
         check_fits_cluster(cfg, query_partitions())
+        claim_run_dir(cfg.run_dir, overwrite=args.overwrite)
     config_path = cfg.run_dir / "config.yaml"
     script = render_sbatch(**sbatch_parameters_for(cfg, config_path))
     prepare_run_dir(cfg)
@@ -126,7 +133,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
             )
         sweep[key] = values
     t0 = time.perf_counter()
-    submitted = submit(args.job, overrides=args.overrides, sweep=sweep or None, folder=args.folder)
+    submitted = submit(
+        args.job,
+        overrides=args.overrides,
+        sweep=sweep or None,
+        folder=args.folder,
+        overwrite=args.overwrite,
+    )
     jobs = submitted if isinstance(submitted, list) else [submitted]
     run_dirs = [Path(job.submission().args[0]).parent for job in jobs]
     if sweep:

@@ -15,6 +15,7 @@ Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); rank ``r`
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -67,6 +68,10 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     parts: list[int] = field(default_factory=list)
+    completed_steps: int = 0
+    """Steps done when the run ended: ``train.steps``, or fewer after a stop signal."""
+    num_steps: int = 0
+    """``train.steps``: the steps the job asked for."""
 
     def to_json(self) -> dict[str, Any]:
         median_tps = float(np.median(self.tokens_per_s)) if self.tokens_per_s else 0.0
@@ -77,6 +82,8 @@ class TrainResult:
             "median_tokens_per_s": median_tps,
             "final_loss": self.losses[-1] if self.losses else None,
             "parts": self.parts,
+            "completed_steps": self.completed_steps,
+            "num_steps": self.num_steps,
         }
 
 
@@ -101,6 +108,10 @@ class Trainer:
         self.device = pick_device(cfg.runtime.device)
         self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
         state: dict[str, Any] | None = None
+        # torch.optim imports torch._dynamo when the first optimizer is built (2-3 s of CPU
+        # here): every run pays it once, so pay it before the restore clock starts.
+        importlib.import_module("torch._dynamo")
+
         restore_t0 = time.perf_counter()
         if resume_from is not None:
             # Rank 0 verifies (reads every file once) and shares the run state.
@@ -389,6 +400,8 @@ class Trainer:
             if (cfg.checkpoint.at_end or last_step < cfg.train.steps) and saved_step != last_step:
                 self.save_checkpoint(last_step)
             self.result.parts = list(self.parts)
+            self.result.completed_steps = last_step
+            self.result.num_steps = cfg.train.steps
             if self.rank == 0:
                 atomic_write_text(
                     self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)

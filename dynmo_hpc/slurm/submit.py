@@ -33,7 +33,7 @@ import yaml
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.launch.manager import run_manager
-from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.slurm.scheduler import (
     TERMINAL_STATES,
@@ -327,6 +327,7 @@ def submit(
     overrides: Sequence[str] = (),
     sweep: Mapping[str, Sequence[Any]] | None = None,
     folder: str | Path | None = None,
+    overwrite: bool = False,
     **slurm_options: Any,
 ) -> submitit.Job[Any] | list[submitit.Job[Any]]:
     """Submit the job manager with submitit; returns the job, or one job per sweep point.
@@ -338,12 +339,15 @@ def submit(
             over the keys), each with its own ``job.name``.
         folder: submitit's folder (pickles and the ``<id>_0_log.out/err`` logs); default
             ``<run_dir>/submitit``, or ``<out_dir>/<name>-sweep/submitit`` for a sweep.
+        overwrite: replace earlier runs in the jobs' run directories; without it a run
+            directory that holds a run (``run.h5``, checkpoints, ...) is refused.
         **slurm_options: keys of the ``slurm:`` section (``nodes=4``, ``partition="gpu"``...).
 
     Raises:
         ConfigError: an invalid config or SLURM option, or a request the cluster cannot run;
             nothing is submitted.
         SubmitError: the cluster could not be asked, or sbatch refused the job.
+        LaunchError: a run directory already holds a run and ``overwrite`` is False.
     """
     import submitit
 
@@ -368,6 +372,8 @@ def submit(
     if folder is None:
         out_dir = Path(configs[0].job.out_dir)
         folder = (out_dir / f"{base_name}-sweep" if sweep else configs[0].run_dir) / "submitit"
+    for cfg in configs:
+        claim_run_dir(cfg.run_dir, overwrite=overwrite)
     executor = make_executor(configs[0], folder, job_name=base_name)
     paths = [str(prepare_run_dir(c)) for c in configs]
     launcher, loopback_only = configs[0].slurm.launcher, configs[0].slurm.loopback_only
