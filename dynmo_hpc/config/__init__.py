@@ -10,6 +10,7 @@ a field of :class:`JobConfig`, and put cross-field checks in its ``validate`` me
 
 from __future__ import annotations
 
+from dynmo_hpc.config.elastic import ELASTIC_POLICIES, ElasticSection
 from dynmo_hpc.config.job import JobConfig
 from dynmo_hpc.config.loader import (
     apply_overrides,
@@ -45,12 +46,14 @@ from dynmo_hpc.errors import ConfigError
 
 __all__ = [
     "BALANCE_ALGORITHMS",
+    "ELASTIC_POLICIES",
     "LAUNCHERS",
     "BalanceSection",
     "CheckpointSection",
     "ConfigError",
     "DataSection",
     "EarlyExitSection",
+    "ElasticSection",
     "FreezingSection",
     "JobConfig",
     "JobSection",

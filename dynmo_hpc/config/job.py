@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from dynmo_hpc.config.elastic import ElasticSection
 from dynmo_hpc.config.schemes import SchemesSection
 from dynmo_hpc.config.sections import (
     BalanceSection,
@@ -35,6 +36,7 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     balance: BalanceSection = field(default_factory=BalanceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
     schemes: SchemesSection = field(default_factory=SchemesSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)
     """SLURM submission settings; local runs ignore them."""
@@ -61,6 +63,11 @@ class JobConfig:
                 f"pipeline.num_stages({num_stages}) > model.num_blocks + 2 ({num_layers}) "
                 "(embedding + blocks + head); every stage needs at least one layer: "
                 "lower pipeline.num_stages or raise model.num_blocks"
+            )
+        if self.elastic.enabled and self.elastic.min_stages > num_stages:
+            raise ConfigError(
+                f"elastic.min_stages({self.elastic.min_stages}) > pipeline.num_stages"
+                f"({num_stages}): the job could never pack; HINT: lower elastic.min_stages"
             )
         parts = self.pipeline.partition
         if parts is not None:

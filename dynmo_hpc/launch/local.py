@@ -15,15 +15,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
-from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
+from dynmo_hpc.launch.resize import run_elastic
+from dynmo_hpc.launch.rundir import claim_run_dir
 
 log = logging.getLogger(__name__)
+
+LAUNCH_TIME_ENV = "DYNMO_LAUNCH_UNIX_S"
+"""Set for the ranks: when their launcher started them (Unix seconds), so rank 0 can measure
+the start-up a relaunch costs."""
 
 
 @dataclass(frozen=True)
@@ -151,15 +157,22 @@ def launch_local(
     that holds an earlier run's outputs, unless ``overwrite`` (then they are removed first);
     ``resume_from`` (a verified ``checkpoint/step_<n>`` directory) continues that run instead.
     A stale ``result.json`` is removed either way, so a result file always belongs to this run.
+    With ``elastic.enabled``, a step that asks to pack is relaunched on fewer ranks
+    (:func:`~dynmo_hpc.launch.resize.run_elastic`); ``timeout_s`` bounds all steps together.
     """
     launcher = LocalMpiLauncher(cfg.runtime.mpi_launcher)
     if resume_from is None:
         claim_run_dir(cfg.run_dir, overwrite=overwrite)
-    config_path = prepare_run_dir(cfg)
-    (config_path.parent / "result.json").unlink(missing_ok=True)
-    spec = LaunchSpec(
-        num_ranks=cfg.pipeline.num_stages,
-        rank_argv=worker_argv(config_path, resume_from=resume_from),
-    )
-    rc = launcher.run(spec, timeout_s=cfg.runtime.timeout_s if timeout_s is None else timeout_s)
-    return rc, config_path.parent
+    (cfg.run_dir / "result.json").unlink(missing_ok=True)
+    deadline = time.monotonic() + (cfg.runtime.timeout_s if timeout_s is None else timeout_s)
+
+    def run_step(step_cfg: JobConfig, config_path: Path, resume: Path | None) -> int:
+        spec = LaunchSpec(
+            num_ranks=step_cfg.pipeline.num_stages,
+            rank_argv=worker_argv(config_path, resume_from=resume),
+            env={LAUNCH_TIME_ENV: repr(time.time())},
+        )
+        return launcher.run(spec, timeout_s=max(1.0, deadline - time.monotonic()))
+
+    rc = run_elastic(cfg, run_step, shrink=lambda _cfg: 0.0, resume_from=resume_from)
+    return rc, cfg.run_dir

@@ -25,11 +25,13 @@ from pathlib import Path
 from types import FrameType
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.balance.packing import nodes_for
 from dynmo_hpc.errors import ConfigError, LaunchError
-from dynmo_hpc.launch.local import worker_argv
-from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.launch.local import LAUNCH_TIME_ENV, worker_argv
+from dynmo_hpc.launch.resize import run_elastic
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
+from dynmo_hpc.slurm.resize import nodes_to_keep, resized_env, shrink_job
 from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,12 @@ def run_manager(
     launcher: str | None = None,
     loopback_only: bool | None = None,
 ) -> int:
-    """Run the job's training as one MPI step in the current allocation; returns its exit code."""
+    """Run the job's training as MPI steps in the current allocation; returns the exit code.
+
+    One step normally; with ``elastic.enabled`` a step that asks to pack is followed by a
+    shrink of the allocation (``scontrol update``, keeping this node) and a new, smaller step
+    that resumes from the pack's checkpoint (:func:`~dynmo_hpc.launch.resize.run_elastic`).
+    """
     if not in_slurm_job():
         raise LaunchError(
             "dynmo_hpc.launch.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
@@ -71,17 +78,77 @@ def run_manager(
     launcher = launcher or os.environ.get("DYNMO_MPI_LAUNCHER", "auto")
     if loopback_only is None:
         loopback_only = os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
-    resolved = prepare_run_dir(cfg)
-    argv = mpi_step_argv(launcher, worker_argv(resolved), num_tasks=cfg.pipeline.num_stages)
-    env = {**os.environ, **slurm_mpi_env(launcher, loopback_only=loopback_only)}
-    log.info(
-        "job %s: %d stages on %d task slots; step: %s",
-        os.environ.get("SLURM_JOB_ID"),
-        cfg.pipeline.num_stages,
-        slots,
-        " ".join(argv),
+    first = read_slurm_env()
+    ranks_per_node = (
+        max(first.tasks_per_node)
+        if first.tasks_per_node
+        else max(1, -(-cfg.pipeline.num_stages // first.num_nodes))
     )
     t0 = time.perf_counter()
+
+    def run_step(step_cfg: config_mod.JobConfig, resolved: Path, resume: Path | None) -> int:
+        held = read_slurm_env()
+        argv = mpi_step_argv(
+            launcher,
+            worker_argv(resolved, resume_from=resume),
+            num_tasks=step_cfg.pipeline.num_stages,
+            num_nodes=min(held.num_nodes, nodes_for(step_cfg.pipeline.num_stages, ranks_per_node))
+            if resume is not None
+            else None,
+        )
+        env = {
+            **os.environ,
+            **slurm_mpi_env(launcher, loopback_only=loopback_only),
+            LAUNCH_TIME_ENV: repr(time.time()),
+        }
+        log.info(
+            "job %s: %d stages on %d task slots (%d nodes); step: %s",
+            held.job_id,
+            step_cfg.pipeline.num_stages,
+            slots,
+            held.num_nodes,
+            " ".join(argv),
+        )
+        return _run_forwarding_signals(argv, env)
+
+    def shrink(smaller: config_mod.JobConfig) -> float:
+        held = read_slurm_env()
+        needed = nodes_for(smaller.pipeline.num_stages, ranks_per_node)
+        if needed >= held.num_nodes:
+            return 0.0
+        kept = nodes_to_keep(held.node_list, held.node_name or held.node_list[0], needed)
+        seconds = shrink_job(held.job_id, kept)
+        for name, value in resized_env(os.environ, kept).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        log.warning(
+            "job %s shrunk to %s (%d -> %d nodes) in %.2f s",
+            held.job_id,
+            ",".join(kept),
+            held.num_nodes,
+            needed,
+            seconds,
+        )
+        return seconds
+
+    rc = run_elastic(cfg, run_step, shrink)
+    elapsed_s = time.perf_counter() - t0
+    if rc == 0:
+        log.info("training finished in %.1f s; run directory %s", elapsed_s, cfg.run_dir)
+    else:
+        log.error(
+            "training step failed (exit code %d) after %.1f s; run directory %s",
+            rc,
+            elapsed_s,
+            cfg.run_dir,
+        )
+    return rc
+
+
+def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
+    """Run one MPI step; SIGUSR2/SIGTERM to the manager go on to the step."""
     proc = subprocess.Popen(argv, env=env)
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -90,21 +157,10 @@ def run_manager(
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
-        rc = proc.wait()
+        return proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    elapsed_s = time.perf_counter() - t0
-    if rc == 0:
-        log.info("training finished in %.1f s; run directory %s", elapsed_s, resolved.parent)
-    else:
-        log.error(
-            "training step failed (exit code %d) after %.1f s; run directory %s",
-            rc,
-            elapsed_s,
-            resolved.parent,
-        )
-    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

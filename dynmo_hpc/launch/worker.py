@@ -7,6 +7,8 @@ rank's traceback instead of the other ranks hanging in their next collective.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,5 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fast_exit(code: int) -> None:
+    """End the rank at once after a clean finish: every file is written and closed, so the 1-3 s
+    of interpreter teardown (torch's modules, their finalizers) would only delay the launcher,
+    and with it a resize's relaunch."""
+    MPI.COMM_WORLD.Barrier()
+    MPI.Finalize()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    fast_exit(main())

@@ -14,14 +14,12 @@ Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); rank ``r`
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
+import math
 import os
-import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,8 @@ from mpi4py import MPI
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.launch.local import LAUNCH_TIME_ENV
+from dynmo_hpc.launch.resize import take_phases, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, resume
@@ -45,6 +45,8 @@ from dynmo_hpc.pipeline.costs import (
 )
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import peak_memory_bytes, pick_device
+from dynmo_hpc.pipeline.elastic import PackController, pack_result_event, resize_event
+from dynmo_hpc.pipeline.lifecycle import StopRequest, TrainResult, count_nodes, inject_failure
 from dynmo_hpc.pipeline.migration import MigrationStats, measure_bandwidth, migrate
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.pipeline.schedule import build_schedule
@@ -58,33 +60,6 @@ def initial_partition(cfg: JobConfig) -> list[int]:
     if cfg.pipeline.partition is not None:
         return list(cfg.pipeline.partition)
     return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
-
-
-@dataclass
-class TrainResult:
-    """What rank 0 knows at the end of a run (other ranks return an empty result)."""
-
-    losses: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
-    step_time_s: list[float] = field(default_factory=list)
-    parts: list[int] = field(default_factory=list)
-    completed_steps: int = 0
-    """Steps done when the run ended: ``train.steps``, or fewer after a stop signal."""
-    num_steps: int = 0
-    """``train.steps``: the steps the job asked for."""
-
-    def to_json(self) -> dict[str, Any]:
-        median_tps = float(np.median(self.tokens_per_s)) if self.tokens_per_s else 0.0
-        return {
-            "losses": self.losses,
-            "tokens_per_s": self.tokens_per_s,
-            "step_time_s": self.step_time_s,
-            "median_tokens_per_s": median_tps,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "parts": self.parts,
-            "completed_steps": self.completed_steps,
-            "num_steps": self.num_steps,
-        }
 
 
 class Trainer:
@@ -178,6 +153,15 @@ class Trainer:
             self.writer = self._open_runlog(restart)
             if resume_from is not None:
                 self._log_skipped_checkpoints(resume_from)
+        self.pack_target: dict[str, Any] | None = None
+        """Set on every rank when rank 0 decided to pack: the stage count and partition."""
+        self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
+        launch_unix_s = float(os.environ.get(LAUNCH_TIME_ENV, "nan"))
+        if self.rank == 0:
+            if math.isfinite(launch_unix_s):
+                self.packer.startup_s = time.time() - launch_unix_s
+            if resume_from is not None:
+                self._log_resize(restore_s)
 
     # ------------------------------------------------------------------ rank-0 reporting
     def _open_runlog(self, restart: dict[str, Any] | None) -> Any:
@@ -214,6 +198,24 @@ class Trainer:
                     detail={"path": str(candidate.path), "problem": candidate.problem},
                 )
 
+    def _log_resize(self, restore_s: float) -> None:
+        """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
+        phases = take_phases(self.run_dir)
+        if phases is None:
+            return
+        detail = resize_event(phases, restore_s, time.time(), self.num_nodes)
+        self.packer.last_resize_s = detail["total_s"]
+        self.packer.predicted_tokens_per_s = detail["predicted_tokens_per_s_after"]
+        self.writer.log_event(step=self.start_step - 1, kind="resize", detail=detail)
+        log.warning("resized: %s", {k: v for k, v in detail.items() if k.endswith("_s")})
+
+    def _pack_result(self, step: int) -> None:
+        """Rank 0, first report after a pack: the measured throughput beside the prediction."""
+        predicted, self.packer.predicted_tokens_per_s = self.packer.predicted_tokens_per_s, None
+        detail = pack_result_event(predicted, self.result.tokens_per_s[self.start_step :])
+        if detail is not None:
+            self.writer.log_event(step=step, kind="pack_result", detail=detail)
+
     def _load_report(self, step: int) -> None:
         """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
         forward_s, backward_s = self.accumulator.mean_per_step()
@@ -225,10 +227,15 @@ class Trainer:
         )
         gathered = self.comm.gather(mine, root=0)
         plan_parts: list[int] | None = None
+        pack_target: dict[str, Any] | None = None
         if self.rank == 0:
             report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
             plan_parts = self._record_and_decide(report)
-        new_parts = self.comm.bcast(plan_parts, root=0)
+            pack_target = self._consider_pack(report)
+            if pack_target is not None:
+                plan_parts = None  # the layers move through the pack's checkpoint instead
+            self._pack_result(step)
+        new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
         self.num_reports += 1
         if new_parts is not None:
             stats = migrate(self.pipeline_stage, self.migration_comm, new_parts)
@@ -238,6 +245,57 @@ class Trainer:
                 self._record_migration(step, totals)
         if self.rank == 0:
             self.writer.flush()
+
+    def _consider_pack(self, report: LoadReport) -> dict[str, Any] | None:
+        """Rank 0: the packing decision (logged); the target stage count and partition, or None."""
+        recent = self.result.step_time_s[-self.cfg.balance.interval :]
+        costs_s = self.tracker.costs_s
+        if costs_s is None:
+            return None
+        plan = self.packer.consider(
+            report,
+            costs_s,
+            self.parts,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            measured_step_s=float(np.median(recent)) if recent else None,
+        )
+        if plan is None:
+            return None
+        detail = plan.to_event()
+        recent_tps = self.result.tokens_per_s[-self.cfg.balance.interval :]
+        detail["measured_tokens_per_s_before"] = (
+            float(np.median(recent_tps)) if recent_tps else None
+        )
+        self.writer.log_event(step=report.step, kind="pack", detail=detail)
+        log.info("step %d: %s", report.step + 1, plan.reason)
+        if not plan.pack:
+            return None
+        return detail
+
+    def _resize(self, step: int) -> None:
+        """Every rank: checkpoint for the pack; rank 0 asks the manager for the resize."""
+        assert self.pack_target is not None
+        directory = self.save_checkpoint(step + 1)
+        if self.rank == 0:
+            write_request(
+                self.run_dir,
+                {
+                    **self.pack_target,
+                    "num_stages": self.pack_target["to_stages"],
+                    "parts": self.pack_target["parts"],
+                    "step": step + 1,
+                    "checkpoint": str(directory),
+                    "checkpoint_s": self.packer.last_checkpoint_s,
+                    "requested_unix_s": time.time(),
+                },
+            )
+            log.warning(
+                "packing %d -> %d stages after step %d: checkpoint %s, ending this MPI step",
+                self.cfg.pipeline.num_stages,
+                self.pack_target["to_stages"],
+                step + 1,
+                directory,
+            )
 
     def _record_migration(self, step: int, totals: list[MigrationStats]) -> None:
         """Rank 0: log the migration and update the bandwidth the decision rule predicts with."""
@@ -378,10 +436,11 @@ class Trainer:
                 cfg.model.seq_len,
             )
         interval = cfg.balance.interval
-        stop = _StopRequest()
+        stop = StopRequest()
         try:
             last_step = cfg.train.steps
             saved_step = -1
+            resized = False
             for step in range(self.start_step, cfg.train.steps):
                 self.step(step)
                 if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
@@ -393,10 +452,19 @@ class Trainer:
                     last_step = step + 1
                     self._preempted(step, int(flags[0]))
                     break
+                if self.pack_target is not None:
+                    self._resize(step)
+                    resized = True
+                    break
                 every = cfg.checkpoint.every_steps
                 if step + 1 < cfg.train.steps and ((every and (step + 1) % every == 0) or flags[1]):
                     self.save_checkpoint(step + 1)
                     saved_step = step + 1
+            if resized:  # the next MPI step carries on: no result, no final checkpoint
+                stop.restore()
+                if self.writer is not None:
+                    self.writer.close(status="resize")
+                return self.result
             if (cfg.checkpoint.at_end or last_step < cfg.train.steps) and saved_step != last_step:
                 self.save_checkpoint(last_step)
             self.result.parts = list(self.parts)
@@ -476,6 +544,7 @@ class Trainer:
         )
         self.last_checkpoint_monotonic = time.monotonic()
         if self.rank == 0:
+            self.packer.last_checkpoint_s = seconds
             self.writer.log_event(
                 step=step - 1,
                 kind="checkpoint",
@@ -495,47 +564,3 @@ class Trainer:
                 directory,
             )
         return directory
-
-
-class _StopRequest:
-    """Records SIGUSR2/SIGTERM so the step loop can stop at a step boundary, checkpointing.
-
-    A handler only sets a flag: the ranks agree at the next step boundary (an ``allreduce``), so
-    they all stop after the same step and the checkpoint is consistent.
-    """
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, Any] = {}
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: no handler
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-
-def count_nodes(comm: MPI.Comm) -> int:
-    """Distinct nodes in the job (SLURM node names when present: all "nodes" may share a host)."""
-    name = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
-    return len(set(comm.allgather(name)))
-
-
-def inject_failure(mode: str, rank: int, step: int) -> None:
-    """Fault injection for tests (``runtime.fail_at_step``): fail the way ``mode`` says.
-
-    ``raise``: an exception (the job aborts with its traceback); ``sigterm``: SIGTERM to this
-    rank (the stop-and-checkpoint path); ``sigkill_job``: SIGKILL to the launcher's whole process
-    group, as a crashed node or an OOM kill would end the job, with no chance to save.
-    """
-    if mode == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    if mode == "sigkill_job":
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-    raise RuntimeError(f"injected failure on rank {rank} at step {step}")

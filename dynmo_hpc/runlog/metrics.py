@@ -129,3 +129,28 @@ def throughput_windows(
             }
         )
     return pd.DataFrame.from_records(records)
+
+
+def resource_hours(steps: pd.DataFrame) -> dict[str, float]:
+    """Node-hours and rank-hours the run held, against holding its first allocation throughout.
+
+    Each step row holds its ``num_nodes`` and ``num_ranks`` from the previous row's ``wall_s``
+    to its own (the first from 0), so the time between launches (a resize, a restart) is
+    charged at what the next launch held. Pass the authoritative rows (one per step).
+    """
+    if steps.empty:
+        return {
+            k: 0.0
+            for k in ("wall_h", "node_hours", "rank_hours", "first_node_hours", "first_rank_hours")
+        }
+    ordered = steps.sort_values("wall_s", kind="stable")
+    wall = ordered["wall_s"].to_numpy(dtype=float)
+    held_s = np.diff(np.concatenate([[0.0], wall]))
+    hours = float(wall[-1]) / 3600.0
+    return {
+        "wall_h": hours,
+        "node_hours": float((held_s * ordered["num_nodes"].to_numpy()).sum()) / 3600.0,
+        "rank_hours": float((held_s * ordered["num_ranks"].to_numpy()).sum()) / 3600.0,
+        "first_node_hours": hours * float(ordered["num_nodes"].iloc[0]),
+        "first_rank_hours": hours * float(ordered["num_ranks"].iloc[0]),
+    }

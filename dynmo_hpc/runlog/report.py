@@ -157,6 +157,39 @@ def _restarts(run: RunLog) -> list[str]:
     return lines
 
 
+def _resizes(run: RunLog, steps: pd.DataFrame) -> list[str]:
+    """Every pack with its phases and predicted vs measured throughput; resources used."""
+    hours = metrics.resource_hours(steps)
+    lines = []
+    resizes = run.events[run.events["kind"] == "resize"]
+    results = run.events[run.events["kind"] == "pack_result"]
+    if resizes.empty:
+        lines.append("Resizes: none")
+    else:
+        lines.append(f"Resizes: {len(resizes)}")
+    for _, event in resizes.iterrows():
+        d = event["detail"]
+        after = results[results["step"] > event["step"]]
+        measured = after["detail"].iloc[0]["measured_tokens_per_s"] if len(after) else None
+        lines.append(
+            f"  after step {event['step'] + 1}: {d['from_stages']} -> {d['to_stages']} stages, "
+            f"{d.get('from_nodes')} -> {d.get('to_nodes')} nodes, {d['total_s']:.2f} s "
+            f"(checkpoint {d['checkpoint_s']:.2f}, step exit {d['step_exit_s']:.2f}, shrink "
+            f"{d['shrink_s']:.2f}, relaunch {d['relaunch_s']:.2f}, restore {d['restore_s']:.2f})"
+        )
+        lines.append(
+            f"      tokens/s before {_fmt(d.get('measured_tokens_per_s_before'), '.0f')} measured; "
+            f"after {_fmt(d.get('predicted_tokens_per_s_after'), '.0f')} predicted, "
+            f"{_fmt(measured, '.0f')} measured"
+        )
+    lines.append(
+        f"Resources: {hours['node_hours']:.4f} node-hours and {hours['rank_hours']:.4f} "
+        f"rank-hours used, against {hours['first_node_hours']:.4f} and "
+        f"{hours['first_rank_hours']:.4f} holding the first allocation throughout"
+    )
+    return lines
+
+
 def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: int) -> list[str]:
     if run.events.empty:
         return ["Events: none"]
@@ -194,6 +227,7 @@ def summarize(run: RunLog, *, window_steps: int = DEFAULT_WINDOW_STEPS) -> str:
         _imbalance(imb, run, window_steps),
         _partitions(run),
         _restarts(run),
+        _resizes(run, steps),
         _events(run, steps, imb, window_steps),
     ]
     return "\n".join("\n".join(section) for section in sections) + "\n"
@@ -322,12 +356,35 @@ def plot_resources(run: RunLog) -> Figure:
     return fig
 
 
+def plot_nodes_and_throughput(run: RunLog) -> Figure:
+    """Nodes and ranks held over wall time, beside tokens/s: what packing gave back, and what
+    it cost in throughput."""
+    fig, ax = _figure("Resources held and throughput", "held", "wall time (s)")
+    steps = metrics.last_logged(run.steps)
+    if steps.empty:
+        _no_data(ax, "steps")
+        return fig
+    ax.xaxis.set_major_locator(MaxNLocator())
+    ax.plot(steps["wall_s"], steps["num_nodes"], label="nodes", drawstyle="steps-post", lw=2)
+    ax.plot(steps["wall_s"], steps["num_ranks"], label="ranks", drawstyle="steps-post", ls="--")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    right = ax.twinx()
+    right.plot(steps["wall_s"], steps["tokens_per_s"], color="tab:green", lw=0.8, label="tokens/s")
+    right.set_ylabel("tokens/s")
+    right.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="lower left")
+    return fig
+
+
 FIGURES = {
     "stage_compute": plot_stage_compute,
     "layer_stage_map": plot_layer_stage_map,
     "imbalance": plot_imbalance,
     "tokens_per_s": plot_tokens_per_s,
     "resources": plot_resources,
+    "nodes_throughput": plot_nodes_and_throughput,
 }
 """Figure name (PNG file stem) -> function drawing it from a :class:`RunLog`."""
 

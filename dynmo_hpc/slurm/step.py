@@ -83,11 +83,13 @@ def mpi_step_argv(
     rank_argv: Sequence[str],
     *,
     num_tasks: int | None = None,
+    num_nodes: int | None = None,
     mpirun: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The command that starts ``rank_argv`` as one MPI step inside the allocation.
 
-    ``num_tasks`` None means one rank per allocated task slot (``--ntasks-per-node`` x nodes).
+    ``num_tasks`` None means one rank per allocated task slot (``--ntasks-per-node`` x nodes);
+    ``num_nodes`` (srun only) pins the step to that many of the allocation's nodes.
     ``mpirun`` defaults to the one beside ``rank_argv[0]`` when that is a path (the venv's), as a
     system ``mpirun`` on PATH is a different MPI from the one mpi4py was built against.
 
@@ -102,6 +104,8 @@ def mpi_step_argv(
     kind = resolve_launcher(launcher)
     if kind == "srun":
         argv = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
+        if num_nodes is not None:
+            argv.append(f"--nodes={num_nodes}")
         if num_tasks is not None:
             argv.append(f"--ntasks={num_tasks}")
         return argv + list(rank_argv)

@@ -1,0 +1,125 @@
+"""Elastic packing on local ranks: the resize cycle, and a pack that is invisible to the math.
+
+A job that packs from 4 to 2 stages mid-run (checkpoint, end the MPI step, relaunch on 2 ranks,
+resume) must produce per-step losses, final weights and AdamW state bitwise equal to the same
+job with packing off; its one run log must show the pack, the resize phase by phase, and the
+ranks it held. The resize loop itself is tested with a fake step, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dynmo_hpc.launch import resize
+from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.runlog import load
+from dynmo_hpc.runlog.report import write_report
+from tests.helpers.jobs import tiny_config
+from tests.test_resume import assert_bitwise_equal
+
+PACKING = [
+    "elastic.enabled=true",
+    "elastic.policy=node_hours",  # packing always pays per node-hour on a tiny model
+    "elastic.min_stages=2",
+    "elastic.interval=1",
+    "elastic.restart_overhead_s=0",
+]
+COMMON = ["pipeline.num_stages=4", "train.steps=8", "checkpoint.at_end=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_pack_from_four_to_two_stages_is_bitwise_invisible(tmp_path):
+    static = tiny_config(tmp_path, *COMMON, "job.name=static")
+    packed = tiny_config(tmp_path, *COMMON, *PACKING, "job.name=packed")
+    for cfg in (static, packed):
+        rc, _ = launch_local(cfg, timeout_s=240)
+        assert rc == 0, cfg.job.name
+    want = json.loads((static.run_dir / "result.json").read_text())
+    got = json.loads((packed.run_dir / "result.json").read_text())
+    assert got["losses"] == want["losses"]
+    assert len(got["parts"]) == 3, f"did not end on 2 stages: {got['parts']}"
+    for index in range(static.model.num_layers):
+        g = checkpoint.load_layer(packed.run_dir / "checkpoint" / "step_8", index)
+        w = checkpoint.load_layer(static.run_dir / "checkpoint" / "step_8", index)
+        assert_bitwise_equal(g["module"], w["module"], f"layer {index} weights")
+        assert_bitwise_equal(g["optimizer"], w["optimizer"], f"layer {index} AdamW state")
+
+    run = load(packed.run_dir / "run.h5")
+    ranks = run.steps["num_ranks"].tolist()
+    assert ranks[0] == 4 and ranks[-1] == 2 and ranks == sorted(ranks, reverse=True)
+    packs = run.events[run.events["kind"] == "pack"]["detail"].tolist()
+    assert any(p["pack"] and p["to_stages"] == 2 for p in packs)
+    (resized,) = run.events[run.events["kind"] == "resize"]["detail"].tolist()
+    assert (resized["from_stages"], resized["to_stages"]) == (4, 2)
+    phases = ("checkpoint_s", "step_exit_s", "shrink_s", "relaunch_s", "restore_s")
+    assert all(resized[p] >= 0 for p in phases) and resized["relaunch_s"] > 0
+    assert resized["total_s"] == pytest.approx(sum(resized[p] for p in phases))
+    assert len(run.restarts) == 1 and run.superseded["steps"].empty  # nothing redone
+    assert not (packed.run_dir / resize.RESIZE_REQUEST).exists()
+    assert not (packed.run_dir / resize.RESIZE_PHASES).exists()
+
+    report = write_report(packed.run_dir / "run.h5", tmp_path / "report")
+    summary = report.summary
+    assert "Resizes: 1" in summary and "4 -> 2 stages" in summary
+    assert "rank-hours used" in summary
+    assert (tmp_path / "report" / "nodes_throughput.png").is_file()
+
+
+def test_the_resize_loop_shrinks_and_relaunches(tmp_path):
+    """``run_elastic`` with a fake step: one resize request, then a clean finish."""
+    cfg = tiny_config(tmp_path, "pipeline.num_stages=4", "job.name=loop")
+    calls: list[tuple[int, Path | None, list[int] | None]] = []
+    shrunk: list[int] = []
+
+    def run_step(step_cfg, config_path, resume_from):
+        assert config_path.is_file()
+        calls.append((step_cfg.pipeline.num_stages, resume_from, step_cfg.pipeline.partition))
+        if len(calls) == 1:
+            resize.write_request(
+                step_cfg.run_dir,
+                {
+                    "num_stages": 2,
+                    "parts": [0, 3, 6],
+                    "step": 4,
+                    "checkpoint": str(tmp_path / "ck" / "step_4"),
+                    "checkpoint_s": 0.5,
+                    "requested_unix_s": 0.0,
+                },
+            )
+        else:  # the new step finds the manager's phases
+            phases = resize.take_phases(step_cfg.run_dir)
+            assert phases is not None and phases["shrink_s"] == 1.25
+            assert (phases["from_stages"], phases["to_stages"]) == (4, 2)
+        return 0
+
+    def shrink(smaller):
+        shrunk.append(smaller.pipeline.num_stages)
+        return 1.25
+
+    assert resize.run_elastic(cfg, run_step, shrink) == 0
+    assert calls == [(4, None, None), (2, tmp_path / "ck" / "step_4", [0, 3, 6])]
+    assert shrunk == [2]
+    assert "num_stages: 2" in (cfg.run_dir / "config.yaml").read_text()
+
+
+def test_a_failed_step_ends_the_loop_with_its_code(tmp_path):
+    cfg = tiny_config(tmp_path, "job.name=fails")
+    assert resize.run_elastic(cfg, lambda *_: 3, lambda _: 0.0) == 3
+
+
+def test_a_job_that_never_stops_resizing_is_stopped(tmp_path):
+    cfg = tiny_config(tmp_path, "job.name=loops")
+
+    def run_step(step_cfg, config_path, resume_from):
+        request = {"num_stages": 2, "parts": [0, 3, 6], "step": 1}
+        resize.write_request(
+            step_cfg.run_dir, {**request, "checkpoint": "x", "requested_unix_s": 0.0}
+        )
+        return 0
+
+    assert resize.run_elastic(cfg, run_step, lambda _: 0.0) == 1
