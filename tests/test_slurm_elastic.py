@@ -1,0 +1,156 @@
+"""Tier 4: elastic packing on the real 4-node test cluster, through submitit and through sbatch.
+
+``jobs/elastic.yaml`` starts on 4 nodes (one stage each) in the exclusive partition, so a node it
+holds can run nothing else. The overrides make the pack come early and pay at once (the
+``node_hours`` policy with a floor of 2 stages and no restart overhead), so the test does not
+wait for freezing to set in; the resize machinery is the same. Each test checks, while the job is
+still training:
+
+- ``squeue`` and ``scontrol show job`` show it holding 2 nodes;
+- ``sinfo`` shows the other two idle;
+- a second exclusive 2-node job starts on them and finishes while the first still runs;
+
+and afterwards that the first job ended COMPLETED under its one job id, with a run log that shows
+the resize and 4 then 2 nodes held.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dynmo_hpc import runlog
+from dynmo_hpc.slurm.submit import submit, wait_for_job
+from tests.helpers.slurm_cluster import SlurmCluster
+from tests.test_slurm_jobs import as_args, cluster_environ, unique  # noqa: F401 (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "jobs" / "elastic.yaml")
+TIMEOUT_S = 300.0
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def overrides(out_dir: Path, name: str) -> list[str]:
+    return [
+        f"job.out_dir={out_dir}",
+        f"job.name={name}",
+        "slurm.nodes=4",
+        "slurm.partition=exclusive",
+        "slurm.loopback_only=true",
+        "slurm.time_min=10",
+        "train.steps=70",
+        "train.log_interval=10",
+        "balance.interval=2",
+        "elastic.policy=node_hours",
+        "elastic.min_stages=2",
+        "elastic.restart_overhead_s=0",
+    ]
+
+
+def _job_nodes(cluster: SlurmCluster, job_id: int) -> tuple[str, str]:
+    """(state, node list) of a queued or running job, ('', '') once it left the queue."""
+    out = cluster.run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%N"], check=False)
+    state, _, nodes = out.stdout.strip().partition("|")
+    return state, nodes
+
+
+def check_pack_on_the_cluster(
+    cluster: SlurmCluster, job_id: int, run_dir: Path, context: Callable[[], str]
+) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:  # until the job holds 2 nodes
+        state, nodes = _job_nodes(cluster, job_id)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job ended: {state}; {context()}"
+        if state == "RUNNING" and nodes == "node[1-2]":
+            break
+        assert time.monotonic() < deadline, f"no shrink; nodes {nodes}; {context()}"
+        time.sleep(0.5)
+    show = cluster.run(["scontrol", "show", "job", str(job_id)]).stdout
+    assert re.search(r"\bNumNodes=2\b", show) and "NodeList=node[1-2]" in show, show
+    idle = cluster.run(["sinfo", "-h", "-N", "-p", "exclusive", "-t", "idle", "-o", "%N"])
+    assert set(idle.stdout.split()) == {"node3", "node4"}, idle.stdout
+
+    where = run_dir.parent / f"{run_dir.name}-other.out"
+    other = cluster.sbatch(
+        "-p", "exclusive", "-N", "2", "-J", unique("other"), "-o", str(where),
+        "--wrap", "srun printenv SLURMD_NODENAME",
+    )  # fmt: skip
+    assert cluster.wait(other, timeout_s=120) == "COMPLETED"
+    state, nodes = _job_nodes(cluster, job_id)
+    assert state == "RUNNING" and nodes == "node[1-2]", (
+        f"the first job should still be training on node[1-2]: {state} {nodes}; {context()}"
+    )
+    assert sorted(where.read_text().split()) == ["node3", "node4"], where.read_text()
+
+
+def check_run_log(cluster: SlurmCluster, job_id: int, run_dir: Path, context: str) -> None:
+    assert cluster.job_state(job_id) == "COMPLETED", context
+    run = runlog.load(run_dir / "run.h5")
+    nodes = run.steps["num_nodes"].tolist()
+    assert nodes[0] == 4 and nodes[-1] == 2 and len(run.steps) == 70, context
+    (resized,) = run.events[run.events["kind"] == "resize"]["detail"].tolist()
+    assert (resized["from_nodes"], resized["to_nodes"], resized["hosts"]) == (4, 2, 2)
+    assert resized["shrink_s"] > 0 and resized["total_s"] < 60, resized
+    assert (run_dir / "result.json").is_file()
+
+
+def test_submitit_job_packs_from_four_nodes_to_two(
+    cluster_environ: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    job = submit(JOB, overrides=overrides(tmp_path, unique("elastic-submitit")))
+    assert not isinstance(job, list)
+    run_dir = Path(job.submission().args[0]).parent
+
+    def context() -> str:
+        return f"logs {job.paths.stdout}, {job.paths.stderr}"
+
+    try:
+        check_pack_on_the_cluster(cluster_environ, int(job.job_id), run_dir, context)
+        state = wait_for_job(job, timeout_s=TIMEOUT_S)
+    finally:
+        job.cancel(check=False)
+    assert state == "COMPLETED", context()
+    check_run_log(cluster_environ, int(job.job_id), run_dir, context())
+
+
+def test_sbatch_job_packs_from_four_nodes_to_two(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    name = unique("elastic-sbatch")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynmo_hpc",
+            "sbatch",
+            JOB,
+            "--submit",
+            *as_args(overrides(tmp_path, name)),
+        ],
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = re.search(r"submitted job (\d+)", out.stdout)
+    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    job_id = int(found.group(1))
+    run_dir = tmp_path / name
+
+    def context() -> str:
+        return f"logs {run_dir}/{name}-{job_id}.out/.err"
+
+    try:
+        check_pack_on_the_cluster(slurm_cluster, job_id, run_dir, context)
+        assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context()
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    check_run_log(slurm_cluster, job_id, run_dir, context())
