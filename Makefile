@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-JOB ?= jobs/default.yaml
+JOB ?= jobs/elastic.yaml
 # The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \

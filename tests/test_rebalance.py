@@ -69,3 +69,12 @@ def test_decide_refuses_when_migration_costs_more_than_it_gains():
 def test_static_never_plans():
     plan = decide(BalanceSection(algorithm="static"), **kwargs([1.0, 9.0], [0, 1, 2]))
     assert plan.parts_to_enact is None
+
+
+@pytest.mark.parametrize("algorithm", ["uniform", "parameters", "optimal", "diffusion"])
+def test_one_stage_never_plans_even_with_no_measured_bandwidth(algorithm):
+    """P = 1 has no link to measure (bandwidth inf): the decision says so instead of raising."""
+    plan = decide(
+        BalanceSection(algorithm=algorithm), **kwargs([1.0, 9.0], [0, 2], bandwidth=float("inf"))
+    )
+    assert plan.parts_to_enact is None and "one stage" in plan.reason

@@ -48,17 +48,19 @@ def decide(
 
     ``Decision.parts_to_enact`` is the partition to migrate to, or None to keep ``parts``.
     """
-    if balance.algorithm == "static":
+    num_stages = len(parts) - 1
+    if balance.algorithm == "static" or num_stages == 1:
         return Decision(
             enact=False,
             old_parts=list(parts),
             new_parts=list(parts),
-            algorithm="static",
+            algorithm=balance.algorithm,
             predicted_gain_s=0.0,
             predicted_migration_s=0.0,
-            reason="balance.algorithm=static",
+            reason="balance.algorithm=static"
+            if balance.algorithm == "static"
+            else "one stage: nothing to rebalance",
         )
-    num_stages = len(parts) - 1
     if balance.force_moves:
         new = forced_partition(parts, report_index)
         return Decision(

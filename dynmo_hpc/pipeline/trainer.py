@@ -337,8 +337,8 @@ class Trainer:
             peak_mem_bytes=report.peak_mem_bytes,
         )
         costs_s = self.tracker.update(report.forward_s, report.backward_s)
-        if self.cfg.balance.algorithm == "static":
-            return None
+        if self.cfg.balance.algorithm == "static" or report.step + 1 >= self.cfg.train.steps:
+            return None  # static, or after the last step: a migration could not pay back
         plan = decide(
             self.cfg.balance,
             costs_s=costs_s,
