@@ -225,11 +225,11 @@ def plan_pack(
         if nodes_for(n, ranks_per_node) >= current.num_nodes or n > len(values):
             continue
         try:
-            best = optimal(values, n, memory=memory_bytes, capacity=capacity_bytes)
+            best_parts = optimal(values, n, memory=memory_bytes, capacity=capacity_bytes)
         except ValueError:  # the model does not fit in memory on n stages
             candidates.append(candidate(n, list(current_parts), False))
             continue
-        candidates.append(candidate(n, best, True))
+        candidates.append(candidate(n, best_parts, True))
     fitting = [c for c in candidates if c.fits_memory]
 
     def plan(chosen: PackCandidate, reason: str) -> PackPlan:
@@ -287,15 +287,15 @@ def plan_pack(
             f"{chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
             f"(1 - {max_slowdown:g}) x {current.tokens_per_s:.4g}",
         )
-    best = max(fitting, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
-    if best.tokens_per_node_hour <= current.tokens_per_node_hour:
+    top = max(fitting, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
+    if top.tokens_per_node_hour <= current.tokens_per_node_hour:
         return plan(
             current,
             f"keep {num_stages} stages: {current.tokens_per_node_hour:.4g} tokens/node-hour is "
-            f"the best (next {best.num_stages} stages: {best.tokens_per_node_hour:.4g})",
+            f"the top (next {top.num_stages} stages: {top.tokens_per_node_hour:.4g})",
         )
     return plan(
-        best,
-        f"pack {num_stages} -> {best.num_stages} stages: {best.tokens_per_node_hour:.4g} > "
+        top,
+        f"pack {num_stages} -> {top.num_stages} stages: {top.tokens_per_node_hour:.4g} > "
         f"{current.tokens_per_node_hour:.4g} tokens per node-hour",
     )
