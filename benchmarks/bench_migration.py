@@ -1,17 +1,20 @@
 """Migration throughput against a raw mpi4py send of the same bytes, side by side.
 
 For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration
-(serialise the module and its AdamW state, checksum, send, rebuild, verify) and, in the same run,
-sends the same number of bytes with a bare ``comm.Send``. Prints medians over repetitions and
-the ratio.
+(pickle the module and its AdamW state with storages out of band, send every byte, hash both
+sides, verify, rebuild) and, interleaved in the same run, sends the same number of bytes with a
+bare ``comm.Send`` into a fresh buffer. Each repetition moves the layer one way and back, so the
+two measurements alternate; the table gives medians and the spread of the per-repetition ratio
+(raw time / migration time: 1.0 is wire speed).
 
-    .venv/bin/python benchmarks/bench_migration.py [--reps 5]
+    .venv/bin/python benchmarks/bench_migration.py [--reps 9] [--device cpu|cuda] [--json OUT]
 (re-launches itself under the venv's mpiexec with 2 ranks)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -20,9 +23,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+D_MODELS = (256, 512, 1024)
+"""Layer sizes with AdamW state: 9.5, 37.8 and 151 MB."""
 
 
-def rank_main(reps: int) -> None:
+def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -30,21 +35,24 @@ def rank_main(reps: int) -> None:
     from dynmo_hpc import config as config_mod
     from dynmo_hpc.pipeline.comm import StageLink
     from dynmo_hpc.pipeline.data import TextDataset
+    from dynmo_hpc.pipeline.device import pick_device
     from dynmo_hpc.pipeline.migration import migrate
     from dynmo_hpc.pipeline.stage import PipelineStage
 
     comm = MPI.COMM_WORLD
+    device = pick_device(device_name)
     rows = []
-    for d_model in (256, 512, 1024):
+    for d_model in D_MODELS:
         cfg = config_mod.from_dict(
             {
                 "model": {"num_blocks": 2, "d_model": d_model, "num_heads": 8, "d_ff": 4 * d_model},
                 "pipeline": {"num_stages": 2, "partition": [0, 2, 4]},
+                "runtime": {"device": device_name},
             }
         )
         dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
-        link = StageLink(comm, comm.rank, 2, torch.device("cpu"))
-        stage = PipelineStage(cfg, comm.rank, [0, 2, 4], link, dataset, torch.device("cpu"))
+        link = StageLink(comm, comm.rank, 2, device)
+        stage = PipelineStage(cfg, comm.rank, [0, 2, 4], link, dataset, device)
         # Give the optimizer real state (moments) so its bytes travel too.
         for slot in stage.slots:
             for p in slot.module.parameters():
@@ -52,53 +60,71 @@ def rank_main(reps: int) -> None:
             slot.optimizer.step()
         ours, raw = [], []
         parts = [[0, 2, 4], [0, 1, 4]]  # layer 1 goes 0 -> 1, then back
+        migrate(stage, comm, parts[1])  # warm-up: first-touch costs of both sides' allocators
+        migrate(stage, comm, parts[0])
         for rep in range(reps):
             comm.Barrier()
             stats = migrate(stage, comm, parts[(rep + 1) % 2])
             total_bytes = comm.allreduce(stats.bytes_sent, op=MPI.SUM)
-            seconds = comm.allreduce(stats.seconds, op=MPI.MAX)
-            ours.append((total_bytes, seconds))
-            buf = np.zeros(total_bytes, dtype=np.uint8)
+            ours.append(comm.allreduce(stats.seconds, op=MPI.MAX))
             src = 0 if rep % 2 == 0 else 1
+            buf = np.ones(total_bytes, dtype=np.uint8) if comm.rank == src else None
             comm.Barrier()
             t0 = time.perf_counter()
             if comm.rank == src:
                 comm.Send([buf, MPI.BYTE], dest=1 - src, tag=3)
             else:
+                buf = np.empty(total_bytes, dtype=np.uint8)
                 comm.Recv([buf, MPI.BYTE], source=src, tag=3)
             raw.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        size_bytes = statistics.median(b for b, _ in ours)
+        ratios = [r / o for r, o in zip(raw, ours, strict=True)]
         rows.append(
-            (d_model, size_bytes, statistics.median(s for _, s in ours), statistics.median(raw))
+            {
+                "d_model": d_model,
+                "layer_bytes": total_bytes,
+                "migrate_s": statistics.median(ours),
+                "raw_s": statistics.median(raw),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+            }
         )
     if comm.rank == 0:
         print(
-            f"{'d_model':>8}{'layer MB':>10}{'migrate GB/s':>14}{'raw Send GB/s':>15}{'ratio':>8}"
+            f"{'d_model':>8}{'layer MB':>10}{'migrate GB/s':>14}{'raw Send GB/s':>15}"
+            f"{'ratio':>8}{'ratio range':>14}"
         )
-        for d_model, nbytes, ours_s, raw_s in rows:
+        for r in rows:
+            nbytes = r["layer_bytes"]
             print(
-                f"{d_model:>8}{nbytes / 1e6:>10.1f}{nbytes / ours_s / 1e9:>14.2f}"
-                f"{nbytes / raw_s / 1e9:>15.2f}{raw_s / ours_s:>8.2f}"
+                f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}{nbytes / r['migrate_s'] / 1e9:>14.2f}"
+                f"{nbytes / r['raw_s'] / 1e9:>15.2f}{r['ratio_median']:>8.2f}"
+                f"{r['ratio_min']:>8.2f}-{r['ratio_max']:.2f}"
             )
-        print("(migrate = serialise module + AdamW state, checksum, send, rebuild, verify)")
+        print(
+            f"({reps} repetitions on {device}; ratio = raw Send time / migration time, median and "
+            "range; migrate = pickle module + AdamW state, send, hash both sides, verify, rebuild)"
+        )
+        if json_path:
+            Path(json_path).write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json", default=None, help="also write the table as JSON here")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        rank_main(args.reps)
+        rank_main(args.reps, args.device, args.json)
         return
     from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
 
     launcher = LocalMpiLauncher()
-    cmd = launcher.command(
-        LaunchSpec(
-            2, [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
-        )
-    )
+    argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
+    argv += ["--device", args.device] + (["--json", args.json] if args.json else [])
+    cmd = launcher.command(LaunchSpec(2, argv))
     env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING"}
     raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)
 

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from dynmo_hpc.pipeline.checkpoint import load_layer
+from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.runlog import load
 from tests.helpers.jobs import run_job, tiny_config
 
@@ -47,9 +47,11 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
     for _, row in migrations.iterrows():
         assert row["detail"]["bytes_moved"] > 0 and row["detail"]["num_moves"] >= 1
 
+    static_dir = resolve(static_cfg.run_dir)[0].path  # the newest checkpoint (step_10)
+    moving_dir = resolve(moving_cfg.run_dir)[0].path
     for index in range(moving_cfg.model.num_layers):
-        a = load_layer(static_cfg.run_dir / "checkpoint", index)
-        b = load_layer(moving_cfg.run_dir / "checkpoint", index)
+        a = load_layer(static_dir, index)
+        b = load_layer(moving_dir, index)
         for name, tensor in a["module"].items():
             assert torch.equal(tensor, b["module"][name]), f"layer {index} {name}"
         for pid, state in a["optimizer"]["state"].items():

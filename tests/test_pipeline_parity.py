@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynmo_hpc.pipeline.checkpoint import load_layer
+from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.pipeline.reference import train_reference
 from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
 
@@ -52,7 +52,7 @@ def test_final_parameters_match_reference(tmp_path):
     )
     reference = train_reference(cfg)
     run_job(cfg)
-    directory = cfg.run_dir / "checkpoint"
+    directory = resolve(cfg.run_dir)[0].path  # the newest checkpoint
     for index, state in reference.state.items():
         saved = load_layer(directory, index)
         assert saved["index"] == index

@@ -14,8 +14,9 @@ with a short, growing sleep. The time spent waiting is the stage's idle time.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class StageLink:
         self.next_rank = stage + 1 if stage < num_stages - 1 else None
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self.idle_s = 0.0
-        tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+        tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767  # MPI_TAG_UB; the standard's minimum
         self.max_microbatches = int(tag_ub) // (2 * _MAX_KEYS)
 
     def _tag(self, microbatch: int, direction: int, key_index: int) -> int:
@@ -143,12 +144,36 @@ class StageLink:
         return len(self._sends)
 
 
+def rendezvous_address(hosts: Sequence[str], env: Mapping[str, str]) -> str:
+    """Where ranks reach rank 0's TCP store; pure. ``hosts``: every rank's host name as MPI or
+    SLURM knows it (``SLURMD_NODENAME``, else ``MPI_Get_processor_name``), in rank order.
+
+    ``MASTER_ADDR`` if the user set one; ``127.0.0.1`` when all ranks share a host; else rank 0's
+    node name, which the other nodes resolve through the cluster's own name service. Never the
+    local resolution of our own host name: on many Linux hosts ``gethostbyname(gethostname())``
+    is 127.0.1.1 (a Debian /etc/hosts convention), unreachable from any other node. (The store
+    listens on all of rank 0's interfaces, so rank 0's own ranks reach it whatever the name
+    resolves to locally.)
+    """
+    explicit = env.get("MASTER_ADDR", "").strip()
+    if explicit:
+        return explicit
+    if len(set(hosts)) <= 1:
+        return "127.0.0.1"
+    return hosts[0]
+
+
+def host_name() -> str:
+    """This rank's node as the launcher knows it: SLURM's node name, else MPI's."""
+    return os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
+
+
 def init_torch_distributed(comm: MPI.Comm, backend: str) -> None:
     """Bootstrap ``torch.distributed`` from MPI: rank 0 picks a free port and shares its address.
 
-    No launcher-specific variables (torchrun's, SLURM's) are needed, so the same code serves local
-    ``mpiexec`` and ``srun`` steps. Process groups are passed explicitly, never global singletons
-    beyond torch's own default group.
+    No launcher-specific variables (torchrun's) are needed, so the same code serves local
+    ``mpiexec`` and ``srun`` steps; the address comes from :func:`rendezvous_address`. Process
+    groups are passed explicitly, never global singletons beyond torch's own default group.
     """
     import socket
 
@@ -156,13 +181,14 @@ def init_torch_distributed(comm: MPI.Comm, backend: str) -> None:
 
     if dist.is_initialized():
         return
-    address = port = None
+    hosts = comm.allgather(host_name())
+    port = None
     if comm.rank == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        address = "127.0.0.1" if comm.size == 1 else _routable_address()
-    address, port = comm.bcast((address, port), root=0)
+    address = rendezvous_address(hosts, os.environ)
+    port = comm.bcast(port, root=0)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}:{port}",
@@ -171,21 +197,25 @@ def init_torch_distributed(comm: MPI.Comm, backend: str) -> None:
     )
 
 
-def _routable_address() -> str:
-    import socket
-
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 class TorchDistLink(StageLink):
     """The same exchange over ``torch.distributed`` point-to-point: NCCL on GPUs, gloo on CPUs.
 
     On CUDA this keeps activations on the device (no host staging). Messages between a pair of
     ranks in one direction are posted and matched in the same order on both sides (microbatch
     order, then payload key order), which is all NCCL's untagged point-to-point needs.
+
+    Why sends are deferred and batched: an NCCL send of a large message does not complete until
+    the peer posts the matching receive, and one rank's operations run in order on its stream. In
+    1F1B, stage s sends activations to s+1 and then waits for gradients from s+1 while s+1 sends
+    gradients to s and then waits for activations from s: posted one by one, each send waits on
+    a receive queued behind the other side's send, a deadlock once messages exceed NCCL's
+    buffers. So a send is queued and posted together with this rank's next receive in one
+    ``batch_isend_irecv`` (one NCCL group: both progress together), which gives exactly the
+    combined send-forward/recv-backward and send-backward/recv-forward exchanges of Megatron's
+    schedules; queued sends with no receive to pair with (an edge stage, the end of a step) are
+    posted as their own batch at once. Every send is thus posted before its rank blocks, in
+    program order, for GPipe and 1F1B alike; ``tests/test_p2p_batching.py`` checks both schedules
+    against a rendezvous model of NCCL.
     """
 
     def __init__(self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device) -> None:
@@ -196,14 +226,57 @@ class TorchDistLink(StageLink):
         backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
         init_torch_distributed(comm, backend)
         self.backend = backend
+        self._queued: list[Any] = []  # P2POps of sends not yet posted
 
     buffer_on_device = True
 
-    def _post_recv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
-        return self.dist.irecv(buf, src=src, tag=tag)
+    def _send(
+        self, dst: int | None, microbatch: int, direction: int, spec: Spec, payload: Payload
+    ) -> None:
+        if dst is None:
+            return
+        for i, name in enumerate(spec):
+            tensor = payload[name].detach().contiguous()
+            tag = self._tag(microbatch, direction, i)
+            self._queued.append(self.dist.P2POp(self.dist.isend, tensor, dst, tag=tag))
 
-    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        return self.dist.isend(tensor, dst=dst, tag=tag)
+    def _flush(self, recvs: list[Any]) -> list[Any]:
+        """Post the queued sends with ``recvs`` as one batch; returns the works to wait on now."""
+        ops, self._queued = [*self._queued, *recvs], []
+        if not ops:
+            return []
+        works = self.dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # one work for the whole group (NCCL coalescing)
+            for op in ops:
+                if op.op is self.dist.isend:
+                    self._sends.append((works[-1], op.tensor))
+            return list(works) if recvs else []
+        for op, work in zip(ops, works, strict=True):
+            if op.op is self.dist.isend:
+                self._sends.append((work, op.tensor))  # keep the tensor alive until sent
+        return [w for op, w in zip(ops, works, strict=True) if op.op is not self.dist.isend]
+
+    def _recv(self, src: int | None, microbatch: int, direction: int, spec: Spec) -> Payload | None:
+        if src is None:
+            self._flush([])  # nothing to pair the queued sends with: post them now
+            return None
+        buffers: Payload = {}
+        recvs = []
+        for i, (name, (shape, dtype)) in enumerate(spec.items()):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            tag = self._tag(microbatch, direction, i)
+            recvs.append(self.dist.P2POp(self.dist.irecv, buf, src, tag=tag))
+            buffers[name] = buf
+        self.idle_s += self._wait(self._flush(recvs))
+        return buffers
+
+    def finish_sends(self) -> None:
+        self._flush([])
+        super().finish_sends()
+
+    @property
+    def num_pending_sends(self) -> int:
+        return len(self._sends) + len(self._queued)
 
     def _wait(self, requests: Sequence[Any]) -> float:
         """``wait()`` on each request. Gloo's requests never report completion until waited on

@@ -1,11 +1,12 @@
 """Per-layer cost measurement: accumulate on every rank, smooth on rank 0.
 
-Each rank's engine times every layer's forward and backward each step (thread CPU time on CPU,
-CUDA events on GPU). :class:`IntervalAccumulator` sums those over the steps between two load
-reports and reports the mean per step, so one slow step is diluted by the interval. On rank 0,
-:class:`CostTracker` keeps an exponential moving average per *global layer* across reports, so
-a layer keeps its history when it migrates to another rank, and one noisy report does not trigger
-a migration.
+Each rank's engine times every layer's forward and backward each step (CPU time on CPU: the
+calling thread's with one torch thread, the process's per thread with
+``runtime.threads_per_rank > 1``, see :mod:`dynmo_hpc.pipeline.device`; CUDA events on GPU).
+:class:`IntervalAccumulator` sums those over the steps between two load reports and reports the
+mean per step, so one slow step is diluted by the interval. On rank 0, :class:`CostTracker`
+keeps an exponential moving average per *global layer* across reports, so a layer keeps its
+history when it migrates to another rank, and one noisy report does not trigger a migration.
 """
 
 from __future__ import annotations

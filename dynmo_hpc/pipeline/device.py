@@ -1,8 +1,13 @@
-"""Device choice and layer timers: thread CPU time on CPU, CUDA events on GPU.
+"""Device choice and layer timers: CPU time on CPU, CUDA events on GPU.
 
-Why thread CPU time on CPU: with more ranks than cores (the normal case on a laptop or a CI box),
+Why CPU time on CPU: with more ranks than cores (the normal case on a laptop or a CI box),
 wall-clock time per layer includes time the OS gave to other ranks; the platform measurements
-showed 8-43% CV for wall clock against 4-9% for thread CPU time. On GPU, kernels run
+showed 8-43% CV for wall clock against 4-9% for thread CPU time. With one torch thread per rank
+the calling thread's CPU time is the layer's cost. With ``runtime.threads_per_rank > 1`` it is
+not: torch's intra-op threads do part of every matmul, and the calling thread's clock misses
+their work (and stops while it waits for them). Then the process's CPU time (all threads) is
+measured and divided by the thread count: the layer's seconds on the rank's cores when its
+threads run in parallel, still immune to time given to other ranks. On GPU, kernels run
 asynchronously, so host clocks measure launch time; CUDA events measure the kernels.
 """
 
@@ -65,6 +70,29 @@ class CpuThreadTimer:
         return self._total_s
 
 
+class CpuProcessTimer:
+    """Accumulates the process's CPU time (every thread) between start/stop pairs, reported per
+    thread: ``threads`` intra-op threads working in parallel for 1 s report 1 s."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._core_s = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.process_time()
+
+    def stop(self) -> None:
+        self._core_s += time.process_time() - self._t0
+
+    def core_seconds(self) -> float:
+        """CPU seconds summed over all threads (the work done)."""
+        return self._core_s
+
+    def seconds(self) -> float:
+        return self._core_s / self.threads
+
+
 class CudaEventTimer:
     """Accumulates kernel time between start/stop pairs with CUDA events (read after the step)."""
 
@@ -89,8 +117,14 @@ class CudaEventTimer:
         return sum(s.elapsed_time(e) for s, e in self._pairs) / 1e3
 
 
-def make_timer(device: torch.device) -> LayerTimer:
-    return CudaEventTimer() if device.type == "cuda" else CpuThreadTimer()
+def make_timer(device: torch.device, threads: int | None = None) -> LayerTimer:
+    """CUDA events on a GPU; on CPU thread CPU time with one torch thread, else process CPU time
+    per thread (``threads`` defaults to torch's intra-op thread count, set from
+    ``runtime.threads_per_rank``)."""
+    if device.type == "cuda":
+        return CudaEventTimer()
+    threads = torch.get_num_threads() if threads is None else threads
+    return CpuThreadTimer() if threads <= 1 else CpuProcessTimer(threads)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -1,16 +1,31 @@
-"""Live layer migration: move layers between ranks with everything they carry.
+"""Live layer migration: move layers between ranks with everything they carry, at wire speed.
 
 A migrated layer must arrive exactly as it left, or training silently becomes a different
 computation. So a move ships the whole layer module (its parameters, buffers and any scheme
 state such as pruning masks, router weights or frozen flags) plus its AdamW ``state_dict`` (both
-moments and the step count), and the receiver inserts it at its global position. After every
-migration each rank checks its invariants: it owns exactly its new contiguous range in order, the
-owned layer counts add up to the model, and every moved tensor's checksum matches on both sides.
+moments and the step count), and the receiver inserts it at its global position. Every byte is
+verified end to end: XXH3 digests of the sender's tensor memory against the receiver's, per chunk
+(see :mod:`.wire`, which also overlaps hashing with the transfer). After every migration each rank
+checks its invariants: it owns exactly its new contiguous range in order, and the owned layer
+counts add up to the model.
+
+Why it is fast (the profile of the old code is in :mod:`.wire`): the layer's object graph is
+pickled with every tensor storage kept *out of band*, so the pickle is a few kilobytes and the
+tensor bytes are sent straight from the tensors' memory (no serialisation, no copy); the receiver
+allocates one buffer per storage, receives into it, and the unpickled module and AdamW state are
+built *on those buffers*: nothing is copied or re-initialised (unpickling a module does not run
+its ``__init__``; ``load_state_dict`` keeps tensors already on the right device and dtype).
+
+Devices: storages may live on a GPU. They are staged through (pinned) host buffers, one copy
+each way, because migration runs over MPI; the receiver builds its storages on *its* device, so
+the module, its optimizer state and all scheme state arrive where the receiving stage computes.
+
+A failed verification raises :class:`MigrationError` on every rank (they agree collectively,
+after all data has drained, so nobody hangs), and leaves every stage as it was: the senders still
+own their layers, and the caller may retry or fall back to a checkpoint.
 
 The plan (which layers move where) is computed by :func:`dynmo_hpc.balance.plan_moves` from the
-old and new partitions, identically on every rank, so no plan needs to be sent. Transfers use
-mpi4py buffer calls on a duplicated communicator (no tag clashes with the pipeline traffic) and
-the same non-spinning wait as the pipeline.
+old and new partitions, identically on every rank, so no plan needs to be sent.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import io
 import logging
 import pickle
 import time
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,15 +43,30 @@ import torch
 from mpi4py import MPI
 
 from dynmo_hpc.balance import plan_moves
-from dynmo_hpc.pipeline.comm import poll_quietly, wait_quietly
+from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.pipeline.comm import wait_quietly
+from dynmo_hpc.pipeline.wire import (
+    CHUNK_BYTES,
+    Incoming,
+    Outgoing,
+    check_tag_space,
+    exchange,
+    locate_chunk,
+    tag_upper_bound,
+)
 
 if TYPE_CHECKING:
     from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
 
 log = logging.getLogger(__name__)
 
-_TAGS_PER_LAYER = 4096
-"""Tag block per layer: header, pickle, then one tag per storage."""
+INLINE_BYTES = 64 << 10
+"""Storages up to this size travel inside the pickle (AdamW's scalar step counts, norms, masks):
+one message instead of dozens of tiny ones, still covered by the pickle's digest."""
+
+
+class MigrationError(DynmoError, RuntimeError):
+    """A migration could not be verified; raised on every rank, with every stage left as it was."""
 
 
 @dataclass(frozen=True)
@@ -49,35 +79,34 @@ class MigrationStats:
     seconds: float
 
 
-def tensor_checksums(module: torch.nn.Module, optimizer_state: dict[str, Any]) -> dict[str, int]:
-    """CRC-32 of every parameter, buffer and optimizer-state tensor, by name."""
-    sums = {}
-    for name, tensor in module.state_dict().items():
-        sums[f"module.{name}"] = _crc(tensor)
-    for pid, state in optimizer_state.get("state", {}).items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                sums[f"optimizer.{pid}.{key}"] = _crc(value)
-    return sums
+@dataclass
+class PackedLayer:
+    """A layer ready to send: its large storages as uint8 host tensors (views of the tensors' own
+    memory on CPU), and a function that pickles the rest (run while the storages travel)."""
+
+    meta: Callable[[], bytes]
+    buffers: list[torch.Tensor]
+    names: list[list[str]]
+    """Per buffer: the tensors that live in it (for error messages)."""
 
 
-def _crc(tensor: torch.Tensor) -> int:
-    data = tensor.detach().cpu().contiguous().reshape(-1)
-    raw = data.view(torch.uint8).numpy() if data.numel() else b""
-    return zlib.crc32(raw, zlib.crc32(str(data.dtype).encode()))
+def _storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
+    return (str(storage.device), storage.data_ptr())
 
 
 class _StoragePickler(pickle.Pickler):
     """Pickles a layer's object graph but keeps tensor storages out of the byte stream.
 
-    Storages are collected (deduplicated) and sent as raw MPI buffers, so a migration moves
-    tensor data once, without serialising it into a byte string first.
+    A storage found in ``large`` (the layer's big tensors, already on their way) is referred to
+    by its buffer index; any other (small ones, or one the walk in :func:`pack_layer` did not
+    find) travels inline, as bytes in the pickle. Storages are deduplicated, so views share one.
     """
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, large: dict[tuple[str, int], int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.storages: list[torch.UntypedStorage] = []
-        self._index: dict[int, int] = {}
+        self.large = large
+        self.inline: list[bytes] = []
+        self._inline_index: dict[tuple[str, int], int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):
@@ -86,124 +115,226 @@ class _StoragePickler(pickle.Pickler):
             untyped, dtype = obj, torch.uint8
         else:
             return None
-        key = untyped.data_ptr() if untyped.nbytes() else -1 - len(self.storages)
-        if key not in self._index:
-            self._index[key] = len(self.storages)
-            self.storages.append(untyped)
-        return ("storage", self._index[key], str(dtype).removeprefix("torch."))
+        name = str(dtype).removeprefix("torch.")
+        key = _storage_key(untyped)
+        if untyped.nbytes() and key in self.large:
+            return ("buf", self.large[key], name)
+        if not untyped.nbytes() or key not in self._inline_index:
+            self._inline_index[key] = len(self.inline)
+            self.inline.append(_bytes_view(untyped).cpu().numpy().tobytes())
+        return ("inline", self._inline_index[key], name)
 
 
 class _StorageUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, storages: list[torch.UntypedStorage]) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        buffers: list[torch.UntypedStorage],
+        inline: list[torch.UntypedStorage],
+    ) -> None:
         super().__init__(file)
-        self.storages = storages
+        self.sources = {"buf": buffers, "inline": inline}
 
     def persistent_load(self, pid: Any) -> Any:
-        _, index, dtype_name = pid
-        dtype = getattr(torch, dtype_name)
+        kind, index, dtype_name = pid
         return torch.storage.TypedStorage(
-            wrap_storage=self.storages[index], dtype=dtype, _internal=True
+            wrap_storage=self.sources[kind][index], dtype=getattr(torch, dtype_name), _internal=True
         )
 
 
-def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over the storage's memory (what MPI sends, via DLPack)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the storage's memory, on the storage's device (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def pack_layer(slot: LayerSlot) -> tuple[bytes, list[torch.Tensor]]:
-    """The layer's object graph (module with all scheme state, optimizer state, checksums) as a
-    small pickle, plus the raw tensor storages it refers to."""
-    module = slot.module.to("cpu")
+def _layer_tensors(slot: LayerSlot, state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the layer owns by name: parameters, buffers, AdamW state."""
+    found = [(f"module.{n}", t) for n, t in slot.module.state_dict(keep_vars=True).items()]
+    for pid, entry in state.get("state", {}).items():
+        found += [
+            (f"optimizer.{pid}.{key}", value)
+            for key, value in entry.items()
+            if isinstance(value, torch.Tensor)
+        ]
+    return found
+
+
+def pack_layer(slot: LayerSlot) -> PackedLayer:
+    """The layer's large storages, found by walking its tensors (no pickling yet), plus a function
+    that pickles the object graph (module with all scheme state, optimizer state) around them.
+    The layer itself is not changed or moved."""
     state = slot.optimizer.state_dict()
-    stream = io.BytesIO()
-    pickler = _StoragePickler(stream)
-    pickler.dump(
-        {
-            "index": slot.index,
-            "module": module,
-            "optimizer": state,
-            "checksums": tensor_checksums(module, state),
-        }
-    )
-    return stream.getvalue(), [_storage_bytes(s) for s in pickler.storages]
+    large: dict[tuple[str, int], int] = {}
+    buffers: list[torch.Tensor] = []
+    names: list[list[str]] = []
+    staged = False
+    for name, tensor in _layer_tensors(slot, state):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() <= INLINE_BYTES:
+            continue
+        key = _storage_key(storage)
+        if key in large:
+            names[large[key]].append(name)
+            continue
+        view = _bytes_view(storage)
+        if view.device.type != "cpu":  # stage to the host: MPI sends host memory
+            host = torch.empty(view.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(view, non_blocking=True)
+            view, staged = host, True
+        large[key] = len(buffers)
+        buffers.append(view)
+        names.append([name])
+    if staged:
+        torch.cuda.synchronize()
+
+    def meta() -> bytes:
+        stream = io.BytesIO()
+        pickler = _StoragePickler(stream, large)
+        pickler.dump({"index": slot.index, "module": slot.module, "optimizer": state})
+        outer = {"graph": stream.getvalue(), "inline": pickler.inline}
+        return pickle.dumps(outer, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return PackedLayer(meta=meta, buffers=buffers, names=names)
 
 
 def unpack_layer(
-    pipeline_stage: PipelineStage, meta: bytes, buffers: list[torch.Tensor], index: int
+    pipeline_stage: PipelineStage,
+    meta: bytes,
+    storages: list[torch.UntypedStorage],
+    index: int,
 ) -> LayerSlot:
-    """Rebuild a layer slot on the receiver and verify every tensor's checksum."""
-    storages = [b.untyped_storage() for b in buffers]
-    payload = _StorageUnpickler(io.BytesIO(meta), storages).load()
+    """Rebuild a layer slot over ``storages`` (the received buffers, on the stage's device).
+
+    Reads no tensor data, so it may run while the buffers are still being filled.
+    """
+    device = pipeline_stage.device
+    outer = pickle.loads(meta)
+    inline = []
+    for raw in outer["inline"]:
+        data = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        inline.append(data.to(device).untyped_storage())
+    payload = _StorageUnpickler(io.BytesIO(outer["graph"]), storages, inline).load()
     if payload["index"] != index:
-        raise RuntimeError(f"migration: expected layer {index}, received layer {payload['index']}")
-    module, state = payload["module"], payload["optimizer"]
-    received = tensor_checksums(module, state)
-    if received != payload["checksums"]:
-        bad = sorted(k for k in payload["checksums"] if received.get(k) != payload["checksums"][k])
-        raise RuntimeError(f"migration of layer {index}: checksum mismatch in {bad[:5]}")
-    slot = pipeline_stage.make_slot(index, module)
-    slot.optimizer.load_state_dict(state)
+        raise MigrationError(
+            f"migration: expected layer {index}, received layer {payload['index']}; "
+            "HINT: the ranks disagree about the plan (a bug): report it with the run log"
+        )
+    slot = pipeline_stage.make_slot(index, payload["module"])
+    slot.optimizer.load_state_dict(payload["optimizer"])
     return slot
 
 
-def migrate(pipeline_stage: PipelineStage, comm: MPI.Comm, new_parts: list[int]) -> MigrationStats:
+class _Arrival:
+    """One incoming layer: rebuilt as soon as its meta arrives, committed once verified."""
+
+    def __init__(self, pipeline_stage: PipelineStage, layer: int) -> None:
+        self.pipeline_stage = pipeline_stage
+        self.layer = layer
+        self.slot: LayerSlot | None = None
+        self.device_buffers: list[torch.Tensor] = []
+
+    def rebuild(self, item: Incoming) -> None:
+        device = self.pipeline_stage.device
+        if device.type == "cpu":
+            storages = [b.untyped_storage() for b in item.buffers]
+        else:  # filled from the host buffers once they are verified
+            self.device_buffers = [
+                torch.empty(b.numel(), dtype=torch.uint8, device=device) for b in item.buffers
+            ]
+            storages = [b.untyped_storage() for b in self.device_buffers]
+        self.slot = unpack_layer(self.pipeline_stage, item.meta, storages, self.layer)
+
+    def commit(self, item: Incoming) -> LayerSlot:
+        if self.device_buffers:  # not on CPU: there the received buffers are the storages
+            for host, dev in zip(item.buffers, self.device_buffers, strict=True):
+                dev.copy_(host, non_blocking=True)
+        if self.slot is None:
+            raise MigrationError(f"layer {self.layer} arrived without its metadata")
+        return self.slot
+
+
+def _gather_quietly(comm: MPI.Comm, value: Any) -> list[Any]:
+    """``allgather`` after a non-spinning barrier (ranks with nothing to move wait asleep)."""
+    wait_quietly([comm.Ibarrier()])
+    return list(comm.allgather(value))
+
+
+ChunkHook = Callable[[Incoming, int, np.ndarray], None]
+
+
+def migrate(
+    pipeline_stage: PipelineStage,
+    comm: MPI.Comm,
+    new_parts: list[int],
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    on_chunk: ChunkHook | None = None,
+) -> MigrationStats:
     """Move layers so this rank owns ``new_parts[rank]..new_parts[rank+1]-1``; collective.
 
-    Every rank must call it with the same ``new_parts``. Sends are posted before receives are
-    waited on, so any pattern of moves completes.
+    Every rank must call it with the same ``new_parts``. All moves are in flight at once (every
+    send and receive is posted before any is waited on). Tags: move ``i`` of the plan uses
+    ``2i`` and ``2i + 1``, checked against the MPI tag limit. ``on_chunk`` is for fault-injection
+    tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
     """
     t0 = time.perf_counter()
-    old_parts = pipeline_stage.parts
-    moves = plan_moves(old_parts, new_parts)
+    moves = plan_moves(pipeline_stage.parts, new_parts)
+    check_tag_space(
+        2 * len(moves) + 1, tag_upper_bound(comm), f"a migration of {len(moves)} layers"
+    )
     rank = comm.rank
-    outgoing = [m for m in moves if m.src == rank]
-    incoming = [m for m in moves if m.dst == rank]
     by_index = {slot.index: slot for slot in pipeline_stage.slots}
-
-    # Per move: a header (pickle length, storage sizes), the pickle, then each storage raw.
-    # Tags: 64 per layer index, so concurrent moves never match each other's messages.
-    send_requests: list[Any] = []
-    keep_alive: list[Any] = []
-    bytes_sent = 0
-    for move in outgoing:
-        meta, buffers = pack_layer(by_index[move.layer])
-        header = np.array([len(meta), len(buffers), *(b.numel() for b in buffers)], dtype=np.int64)
-        meta_arr = np.frombuffer(meta, dtype=np.uint8)
-        keep_alive += [header, meta_arr, buffers]
-        base = _TAGS_PER_LAYER * move.layer
-        send_requests.append(comm.Isend(header, dest=move.dst, tag=base))
-        send_requests.append(comm.Isend([meta_arr, MPI.BYTE], dest=move.dst, tag=base + 1))
-        for k, buf in enumerate(buffers):
-            send_requests.append(
-                comm.Isend([buf.numpy(), MPI.BYTE], dest=move.dst, tag=base + 2 + k)
-            )
-        bytes_sent += meta_arr.size + sum(b.numel() for b in buffers)
-
+    outgoing: list[Outgoing] = []
+    incoming: list[tuple[_Arrival, Incoming]] = []
+    for i, move in enumerate(moves):
+        if move.src == rank:
+            packed = pack_layer(by_index[move.layer])
+            outgoing.append(Outgoing(move.dst, 2 * i, packed.meta, packed.buffers))
+        elif move.dst == rank:
+            arrival = _Arrival(pipeline_stage, move.layer)
+            incoming.append((arrival, Incoming(move.src, 2 * i, on_meta=arrival.rebuild)))
+    exchange(
+        comm,
+        outgoing,
+        [item for _, item in incoming],
+        chunk_bytes=chunk_bytes,
+        pin_memory=pipeline_stage.device.type == "cuda",
+        on_chunk=on_chunk,
+    )
+    errors: list[str] = []
     arrived = []
-    bytes_received = 0
-    for move in incoming:
-        base = _TAGS_PER_LAYER * move.layer
-        status = MPI.Status()
-        src = move.src
-        poll_quietly(lambda s=src, t=base, st=status: bool(comm.Iprobe(source=s, tag=t, status=st)))
-        header = np.zeros(status.Get_count(MPI.INT64_T), dtype=np.int64)
-        comm.Recv(header, source=move.src, tag=base)
-        meta_arr = np.empty(int(header[0]), dtype=np.uint8)
-        buffers = [torch.empty(int(n), dtype=torch.uint8) for n in header[2:]]
-        requests = [comm.Irecv([meta_arr, MPI.BYTE], source=move.src, tag=base + 1)]
-        requests += [
-            comm.Irecv([buf.numpy(), MPI.BYTE], source=move.src, tag=base + 2 + k)
-            for k, buf in enumerate(buffers)
-        ]
-        wait_quietly(requests)
-        arrived.append(unpack_layer(pipeline_stage, meta_arr.tobytes(), buffers, move.layer))
-        bytes_received += meta_arr.size + sum(b.numel() for b in buffers)
-    wait_quietly(send_requests)
-    del keep_alive
-
-    pipeline_stage.replace_layers(new_parts, arrived=arrived, leaving={m.layer for m in outgoing})
-    counts = comm.allgather(len(pipeline_stage.slots))
+    for arrival, item in incoming:
+        if item.error is None:
+            try:
+                arrived.append(arrival.commit(item))
+                continue
+            except Exception as exc:  # a bug or a mismatch: all ranks must learn of it
+                item.error = f"{type(exc).__name__}: {exc}"
+        where = ""
+        if item.bad_chunks:
+            sizes = [int(b.numel()) for b in item.buffers]
+            buffer, offset = locate_chunk(sizes, item.bad_chunks[0], chunk_bytes)
+            where = f" (first bad chunk: storage {buffer}, bytes from {offset})"
+        errors.append(f"layer {arrival.layer} from rank {item.src} to {rank}: {item.error}{where}")
+    if pipeline_stage.device.type == "cuda" and arrived:
+        torch.cuda.synchronize(pipeline_stage.device)  # host buffers may go once copied
+    all_errors = [e for rank_errors in _gather_quietly(comm, errors) for e in rank_errors]
+    if all_errors:
+        raise MigrationError(
+            f"migration to partition {new_parts} failed verification: "
+            + "; ".join(all_errors[:4])
+            + "; every stage keeps its old layers (partition unchanged). "
+            "HINT: data was damaged in transit or in memory; retry the migration, or resume "
+            "from the last checkpoint if it repeats"
+        )
+    pipeline_stage.replace_layers(
+        new_parts, arrived=arrived, leaving={m.layer for m in moves if m.src == rank}
+    )
+    counts = _gather_quietly(comm, len(pipeline_stage.slots))
     if sum(counts) != new_parts[-1]:
         raise RuntimeError(
             f"after migration ranks own {counts} layers (sum {sum(counts)}), "
@@ -211,28 +342,41 @@ def migrate(pipeline_stage: PipelineStage, comm: MPI.Comm, new_parts: list[int])
         )
     return MigrationStats(
         num_moves=len(moves),
-        bytes_sent=bytes_sent,
-        bytes_received=bytes_received,
+        bytes_sent=sum(o.meta_bytes + sum(int(b.numel()) for b in o.buffers) for o in outgoing),
+        bytes_received=sum(
+            len(i.meta) + sum(int(b.numel()) for b in i.buffers) for _, i in incoming
+        ),
         seconds=time.perf_counter() - t0,
     )
 
 
-def measure_bandwidth(comm: MPI.Comm, num_bytes: int = 4 << 20) -> float:
-    """Point-to-point bandwidth between ranks 0 and 1 in bytes/s (all ranks get the value).
+def measure_bandwidth(
+    comm: MPI.Comm, num_bytes: int = 32 << 20, repeats: int = 3, chunk_bytes: int = CHUNK_BYTES
+) -> float:
+    """Migration throughput between ranks 0 and 1 in bytes/s (all ranks get the value).
 
-    Used by the decision rule to predict migration time before any migration happened.
+    What the decision rule predicts migration time with before any migration happened, so it is
+    measured the way migration moves data (chunked, hashed on both sides, verified) with a
+    message as large as a real layer's; the median of ``repeats`` round trips' halves.
     """
     if comm.size < 2:
         return float("inf")
-    buf = np.zeros(num_bytes, dtype=np.uint8)
-    comm.Barrier()
-    t0 = time.perf_counter()
-    if comm.rank == 0:
-        wait_quietly([comm.Isend([buf, MPI.BYTE], dest=1, tag=7)])
-        wait_quietly([comm.Irecv([buf[:1], MPI.BYTE], source=1, tag=8)])
-    elif comm.rank == 1:
-        wait_quietly([comm.Irecv([buf, MPI.BYTE], source=0, tag=7)])
-        wait_quietly([comm.Isend([buf[:1], MPI.BYTE], dest=0, tag=8)])
-    seconds = time.perf_counter() - t0
-    value = comm.bcast(num_bytes / seconds if comm.rank == 0 else None, root=0)
-    return float(value)
+    buf = torch.zeros(num_bytes, dtype=torch.uint8)
+    rates = []
+    for rep in range(repeats):
+        src = rep % 2
+        wait_quietly([comm.Ibarrier()])
+        t0 = time.perf_counter()
+        if comm.rank == src:
+            exchange(comm, [Outgoing(1 - src, 0, b"probe", [buf])], [], chunk_bytes=chunk_bytes)
+        elif comm.rank == 1 - src:
+            exchange(comm, [], [into := Incoming(src, 0)], chunk_bytes=chunk_bytes)
+            if into.error:
+                raise MigrationError(f"bandwidth probe failed verification: {into.error}")
+        elapsed_s = time.perf_counter() - t0 if comm.rank < 2 else 0.0
+        wait_quietly([comm.Ibarrier()])
+        seconds = comm.allreduce(elapsed_s, op=MPI.MAX)
+        rates.append(num_bytes / seconds)
+    value = float(np.median(rates))
+    log.debug("migration bandwidth %.2f GB/s (%s)", value / 1e9, [f"{r / 1e9:.2f}" for r in rates])
+    return value

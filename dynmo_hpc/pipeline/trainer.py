@@ -301,8 +301,11 @@ class Trainer:
         """Rank 0: log the migration and update the bandwidth the decision rule predicts with."""
         moved = sum(t.bytes_sent for t in totals)
         seconds = max(t.seconds for t in totals)
-        if moved and seconds > 0:
-            self.bandwidth_bytes_per_s = moved / seconds
+        # The decision rule prices a migration as the busiest rank's bytes / bandwidth, so the
+        # bandwidth it learns is exactly that ratio, as this migration achieved it.
+        busiest = max(max(t.bytes_sent, t.bytes_received) for t in totals)
+        if busiest and seconds > 0:
+            self.bandwidth_bytes_per_s = busiest / seconds
         self.writer.log_event(
             step=step,
             kind="migrate",

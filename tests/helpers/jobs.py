@@ -31,6 +31,7 @@ TINY = [
     "checkpoint.every_steps=0",
     "balance.interval=2",
     "balance.algorithm=static",
+    "runtime.device=cpu",  # the CPU tiers stay on the CPU even with a CUDA build of torch
 ]
 
 
