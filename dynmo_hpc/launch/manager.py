@@ -117,7 +117,7 @@ def run_manager(
         if needed >= held.num_nodes:
             return 0.0
         kept = nodes_to_keep(held.node_list, held.node_name or held.node_list[0], needed)
-        seconds = shrink_job(held.job_id, kept)
+        seconds = shrink_job(held.job_id, kept, smaller.run_dir)
         for name, value in resized_env(os.environ, kept).items():
             if value is None:
                 os.environ.pop(name, None)

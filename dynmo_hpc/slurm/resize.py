@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from dynmo_hpc.errors import SubmitError
 from dynmo_hpc.slurm.environment import expand_hostlist, expand_per_node_counts
@@ -74,14 +75,18 @@ def resized_env(environ: Mapping[str, str], kept: Sequence[str]) -> dict[str, st
     return changes
 
 
-def shrink_job(job_id: int, kept: Sequence[str]) -> float:
+def shrink_job(job_id: int, kept: Sequence[str], workdir: Path) -> float:
     """``scontrol update JobId=<id> NodeList=<kept>``; returns the seconds it took.
+
+    Run in ``workdir`` (the run directory), where scontrol leaves its
+    ``slurm_job_<id>_resize.sh``/``.csh`` for anyone who wants the environment in a shell.
 
     Raises:
         SubmitError: scontrol refused (the message is SLURM's, with a HINT).
     """
     t0 = time.perf_counter()
-    out = run_command(["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(kept)}"])
+    argv = ["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(kept)}"]
+    out = run_command(argv, cwd=workdir)
     if out.returncode != 0:
         raise SubmitError(
             f"scontrol could not shrink job {job_id} to {','.join(kept)}: "

@@ -52,12 +52,12 @@ TERMINAL_STATES = frozenset(
 
 
 def run_command(
-    argv: Sequence[str], *, timeout_s: float = 60.0
+    argv: Sequence[str], *, timeout_s: float = 60.0, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a SLURM client command, output captured; the one place this module starts processes."""
     try:
         return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
+            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False, cwd=cwd
         )
     except FileNotFoundError:
         raise SubmitError(
