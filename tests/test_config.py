@@ -107,3 +107,42 @@ def test_resolved_yaml_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(cfg.to_yaml())
     assert config_mod.load(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=nan",
+        "train.lr=.nan",
+        "train.weight_decay=inf",
+        "train.grad_clip=-.inf",
+        "runtime.timeout_s=1e400",
+        "balance.margin=nan",
+        "schemes.moe.capacity_factor=nan",
+    ],
+)
+def test_non_finite_numbers_are_refused_at_load_time(override):
+    with pytest.raises(ConfigError, match=r"must be a finite number"):
+        config_mod.load(ROOT / "jobs" / "default.yaml", [override])
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("", r"the job file is empty; HINT"),
+        ("# only a comment\n", r"the job file is empty"),
+        ("train:\n  steps: 3\n  steps: 4\n", r"duplicate key 'steps'"),
+        ("train: {}\ntrain: {}\n", r"duplicate key 'train'"),
+        ("a: &a [1, 1]\nb: &b [*a, *a]\nc: [*b, *b]\n", r"aliases \(\*a\) are not allowed"),
+        ("job:\n  name: ..\n", r"job.name='..' must be"),
+        ("job:\n  name: .\n", r"job.name='.' must be"),
+        ('job:\n  name: "a\\nb"\n', r"control characters"),
+        ("model:\n  num_blocks: 1000000000\n", r"model.num_blocks=1000000000 > 100000"),
+        ("model:\n  num_blocks: 1.0e+30\n", r"must be an integer"),
+    ],
+)
+def test_bad_files_fail_with_one_clear_error(tmp_path, text, pattern):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        config_mod.load(path)
+    assert str(path) in str(info.value)

@@ -8,6 +8,7 @@ starts, with an error naming the key, the file and the valid keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -69,12 +70,22 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, str):
             # YAML 1.1 reads "1e-3" (no dot) as a string; accept any Python float literal.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise ConfigError(f"{source}: {key}={value!r} must be a number") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        elif isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{source}: {key}={value!r} must be a number")
-        return float(value)
+        else:
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{source}: {key}={value!r} must be a finite number (NaN and infinities would "
+                "only fail later, on the ranks)"
+            )
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{source}: {key}={value!r} must be an integer")
@@ -157,15 +168,45 @@ def _deepcopy(data: Any) -> Any:
     return data
 
 
+class StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # yaml ships no stubs here
+    """``yaml.SafeLoader`` that refuses duplicate keys (YAML keeps the last one silently) and
+    aliases (``*name``: a few hundred bytes of nested aliases expand to gigabytes)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(
+                f"aliases (*{event.anchor}) are not allowed in job files {event.start_mark}; "
+                "HINT: write the values out"
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.YAMLError(
+                    f"duplicate key {key!r} {key_node.start_mark}; HINT: keep one of them"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a job YAML into plain data, with errors that name the file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: job file not found; pass a YAML file such as jobs/default.yaml")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=StrictLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if data is None:
+        raise ConfigError(
+            f"{p}: the job file is empty; HINT: start from jobs/default.yaml (an empty file would "
+            "silently train the built-in defaults)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections (job:, model:, ...)")
     return data

@@ -24,10 +24,21 @@ class JobSection:
     """Directory under which ``<name>/`` holds the config, checkpoint and run log."""
 
     def validate(self) -> None:
-        if not self.name or any(c in self.name for c in "/\\ "):
+        if (
+            not self.name
+            or self.name.startswith(".")
+            or any(c in self.name for c in "/\\ ")
+            or not self.name.isprintable()
+        ):
             raise ConfigError(
-                f"job.name={self.name!r} must be a non-empty name without '/', '\\' or spaces"
+                f"job.name={self.name!r} must be a non-empty name without '/', '\\', spaces or "
+                "control characters, not starting with '.'; HINT: the run directory is "
+                "<out_dir>/<name>, so '..' or '.' would write outside it"
             )
+
+
+MAX_BLOCKS = 100_000
+"""More blocks than any model trains: a larger value is a typo, refused before it costs memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +71,10 @@ class ModelSection:
         for key in ("num_blocks", "d_model", "num_heads", "d_ff", "seq_len", "vocab_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.num_blocks > MAX_BLOCKS:
+            raise ConfigError(
+                f"model.num_blocks={self.num_blocks} > {MAX_BLOCKS}; HINT: a typo? GPT-3 has 96"
+            )
         if self.d_model % self.num_heads:
             raise ConfigError(
                 f"model.d_model({self.d_model}) % model.num_heads({self.num_heads}) != 0; "
