@@ -46,24 +46,23 @@ def write_request(run_dir: Path, request: dict[str, Any]) -> None:
     atomic_write_text(run_dir / RESIZE_REQUEST, json.dumps(request, indent=1))
 
 
-def take_request(run_dir: Path) -> dict[str, Any] | None:
-    """The manager: the pending resize request (removed from the run directory), or None."""
-    path = run_dir / RESIZE_REQUEST
+def _take(path: Path) -> dict[str, Any] | None:
+    """The JSON object at ``path``, removed once read; None when there is none."""
     if not path.is_file():
         return None
-    request: dict[str, Any] = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(path.read_text())
     path.unlink()
-    return request
+    return data
+
+
+def take_request(run_dir: Path) -> dict[str, Any] | None:
+    """The manager: the pending resize request (removed from the run directory), or None."""
+    return _take(run_dir / RESIZE_REQUEST)
 
 
 def take_phases(run_dir: Path) -> dict[str, Any] | None:
     """The new step's rank 0: the phases the manager timed (removed once read), or None."""
-    path = run_dir / RESIZE_PHASES
-    if not path.is_file():
-        return None
-    phases: dict[str, Any] = json.loads(path.read_text())
-    path.unlink()
-    return phases
+    return _take(run_dir / RESIZE_PHASES)
 
 
 def resized_config(cfg: JobConfig, num_stages: int, parts: list[int]) -> JobConfig:
