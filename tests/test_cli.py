@@ -76,6 +76,7 @@ def test_failure_on_one_rank_aborts_the_job_quickly(tmp_path):
             "train.steps=50",
             "runtime.fail_at_step=2",
             "runtime.fail_rank=2",
+            "fault.max_restarts=0",  # the abort itself is timed here (restarts: test_faults)
         ]
         for a in ("--set", o)
     ]

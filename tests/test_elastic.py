@@ -15,6 +15,7 @@ import pytest
 
 from dynmo_hpc.launch import resize
 from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.launch.supervisor import StepResult, supervise
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
@@ -71,14 +72,16 @@ def test_a_pack_from_four_to_two_stages_is_bitwise_invisible(tmp_path):
 
 
 def test_the_resize_loop_shrinks_and_relaunches(tmp_path):
-    """``run_elastic`` with a fake step: one resize request, then a clean finish."""
+    """``supervise`` with a fake step: one resize request, then a clean finish."""
     cfg = tiny_config(tmp_path, "pipeline.num_stages=4", "job.name=loop")
     calls: list[tuple[int, Path | None, list[int] | None]] = []
     shrunk: list[int] = []
 
-    def run_step(step_cfg, config_path, resume_from):
-        assert config_path.is_file()
-        calls.append((step_cfg.pipeline.num_stages, resume_from, step_cfg.pipeline.partition))
+    def run_step(step_cfg, launch):
+        assert launch.config_path.is_file()
+        calls.append(
+            (step_cfg.pipeline.num_stages, launch.resume_from, step_cfg.pipeline.partition)
+        )
         if len(calls) == 1:
             resize.write_request(
                 step_cfg.run_dir,
@@ -95,31 +98,32 @@ def test_the_resize_loop_shrinks_and_relaunches(tmp_path):
             phases = resize.take_phases(step_cfg.run_dir)
             assert phases is not None and phases["shrink_s"] == 1.25
             assert (phases["from_stages"], phases["to_stages"]) == (4, 2)
-        return 0
+        return StepResult(0)
 
     def shrink(smaller):
         shrunk.append(smaller.pipeline.num_stages)
         return 1.25
 
-    assert resize.run_elastic(cfg, run_step, shrink) == 0
+    assert supervise(cfg, run_step, shrink).exit_code == 0
     assert calls == [(4, None, None), (2, tmp_path / "ck" / "step_4", [0, 3, 6])]
     assert shrunk == [2]
     assert "num_stages: 2" in (cfg.run_dir / "config.yaml").read_text()
 
 
 def test_a_failed_step_ends_the_loop_with_its_code(tmp_path):
-    cfg = tiny_config(tmp_path, "job.name=fails")
-    assert resize.run_elastic(cfg, lambda *_: 3, lambda _: 0.0) == 3
+    cfg = tiny_config(tmp_path, "job.name=fails", "fault.max_restarts=0")
+    outcome = supervise(cfg, lambda *_: StepResult(3), lambda _: 0.0)
+    assert outcome.exit_code == 3 and outcome.gave_up.startswith("fault.max_restarts=0")
 
 
 def test_a_job_that_never_stops_resizing_is_stopped(tmp_path):
     cfg = tiny_config(tmp_path, "job.name=loops")
 
-    def run_step(step_cfg, config_path, resume_from):
+    def run_step(step_cfg, launch):
         request = {"num_stages": 2, "parts": [0, 3, 6], "step": 1}
         resize.write_request(
             step_cfg.run_dir, {**request, "checkpoint": "x", "requested_unix_s": 0.0}
         )
-        return 0
+        return StepResult(0)
 
-    assert resize.run_elastic(cfg, run_step, lambda _: 0.0) == 1
+    assert supervise(cfg, run_step, lambda _: 0.0).exit_code == 1

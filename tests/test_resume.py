@@ -122,6 +122,7 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path, case
         f"runtime.fail_at_step={SIGKILL_AT_STEP}",
         "runtime.fail_rank=1",
         "runtime.fail_mode=sigkill_job",
+        "fault.max_restarts=0",  # this test resumes by hand
     )
     assert _launch(crashed, resume=True) != 0
     newest, _ = checkpoint.resolve(crashed.run_dir)

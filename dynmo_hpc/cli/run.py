@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.launch.local import run_local
+from dynmo_hpc.launch.supervisor import JobOutcome
 from dynmo_hpc.version import __version__
 
 
@@ -58,14 +60,57 @@ def resolve_resume(cfg: config_mod.JobConfig, path_text: str) -> Path:
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint of ``run_dir``, or None."""
-    from dynmo_hpc.errors import CheckpointError
-    from dynmo_hpc.pipeline import checkpoint
+    from dynmo_hpc.launch.supervisor import newest_checkpoint
 
-    try:
-        return checkpoint.resolve(run_dir)[0].path
-    except CheckpointError:
-        return None
+    return newest_checkpoint(run_dir)
+
+
+def _report_failure(outcome: JobOutcome, run_dir: Path, elapsed_s: float) -> int:
+    """The one ``error:`` line (and a HINT) for a job that failed for good."""
+    last = outcome.failures[-1] if outcome.failures else None
+    what = last.describe() if last else f"the MPI step exited with code {outcome.exit_code}"
+    tried = f" after {outcome.restarts} restart(s)" if outcome.restarts else ""
+    why = f" ({outcome.gave_up})" if outcome.gave_up else ""
+    print(
+        f"error: training failed{tried} after {elapsed_s:.1f} s: {what}{why}; "
+        f"run directory: {run_dir}",
+        file=sys.stderr,
+    )
+    newest = _newest_checkpoint(run_dir)
+    hint = "HINT: "
+    if last is not None and last.cause == "launcher":
+        hint += "check runtime.mpi_launcher and the launcher's own message above; "
+    if newest is not None:
+        hint += f"{newest} is intact: continue from it with the same command and --resume"
+    else:
+        hint += "fix the cause and run again (no complete checkpoint was written)"
+    if last is not None and last.cause != "launcher" and outcome.gave_up.startswith("fault."):
+        hint += "; raise fault.max_restarts to let the job restart by itself"
+    print(hint, file=sys.stderr)
+    return outcome.exit_code or 1
+
+
+def _report_interrupt(signum: int, run_dir: Path) -> int:
+    """A stop asked for by Ctrl-C, SIGTERM or SIGHUP: say where it stopped; 128 + signal."""
+    name = signal.Signals(signum).name
+    result_path = run_dir / "result.json"
+    newest = _newest_checkpoint(run_dir)
+    if result_path.is_file():
+        result = json.loads(result_path.read_text())
+        print(
+            f"interrupted ({name}): every rank stopped after step {result['completed_steps']} "
+            f"of {result['num_steps']} and wrote checkpoint {newest}; continue with the same "
+            "command and --resume",
+            file=sys.stderr,
+        )
+    else:
+        where = f"; newest checkpoint: {newest} (continue with --resume)" if newest else ""
+        print(
+            f"interrupted ({name}): the ranks were stopped before the next step boundary, "
+            f"no new checkpoint{where}",
+            file=sys.stderr,
+        )
+    return 128 + signum
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -78,22 +123,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     resume_from = resolve_resume(cfg, args.resume) if args.resume is not None else None
     t0 = time.perf_counter()
-    rc, run_dir = launch_local(cfg, resume_from=resume_from, overwrite=args.overwrite)
+    outcome = run_local(cfg, resume_from=resume_from, overwrite=args.overwrite)
+    run_dir = cfg.run_dir
     result_path = run_dir / "result.json"
     elapsed_s = time.perf_counter() - t0
-    if rc != 0 or not result_path.is_file():
-        print(
-            f"error: training failed (exit code {rc}) after {elapsed_s:.1f} s; the failing "
-            f"rank's traceback is above; run directory: {run_dir}",
-            file=sys.stderr,
-        )
-        newest = _newest_checkpoint(run_dir)
-        if newest is not None:
-            print(
-                f"HINT: {newest} is intact; continue from it with the same command and --resume",
-                file=sys.stderr,
-            )
-        return rc or 1
+    if outcome.interrupted:
+        return _report_interrupt(outcome.interrupted, run_dir)
+    if outcome.exit_code != 0 or not result_path.is_file():
+        return _report_failure(outcome, run_dir, elapsed_s)
     result = json.loads(result_path.read_text())
     completed, wanted = result.get("completed_steps"), result.get("num_steps")
     if completed is not None and wanted is not None and completed < wanted:
@@ -101,6 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"stopped by a signal after step {completed} of {wanted}, with a checkpoint; "
             "continue with the same command and --resume"
         )
+    for failure in outcome.failures:
+        print(f"recovered: {failure.describe()}; restarted from the newest checkpoint")
     print(
         f"done in {elapsed_s:.1f} s: {len(result['losses'])} steps, loss "
         f"{result['losses'][0]:.4f} -> {result['final_loss']:.4f}, "

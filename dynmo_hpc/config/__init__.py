@@ -11,6 +11,7 @@ a field of :class:`JobConfig`, and put cross-field checks in its ``validate`` me
 from __future__ import annotations
 
 from dynmo_hpc.config.elastic import ELASTIC_POLICIES, ElasticSection
+from dynmo_hpc.config.fault import FAULT_PHASES, FaultSection
 from dynmo_hpc.config.job import JobConfig
 from dynmo_hpc.config.loader import (
     apply_overrides,
@@ -47,6 +48,7 @@ from dynmo_hpc.errors import ConfigError
 __all__ = [
     "BALANCE_ALGORITHMS",
     "ELASTIC_POLICIES",
+    "FAULT_PHASES",
     "LAUNCHERS",
     "BalanceSection",
     "CheckpointSection",
@@ -54,6 +56,7 @@ __all__ = [
     "DataSection",
     "EarlyExitSection",
     "ElasticSection",
+    "FaultSection",
     "FreezingSection",
     "JobConfig",
     "JobSection",

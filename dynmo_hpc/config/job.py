@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from dynmo_hpc.config.elastic import ElasticSection
+from dynmo_hpc.config.fault import FaultSection
 from dynmo_hpc.config.schemes import SchemesSection
 from dynmo_hpc.config.sections import (
     BalanceSection,
@@ -37,6 +38,7 @@ class JobConfig:
     balance: BalanceSection = field(default_factory=BalanceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     elastic: ElasticSection = field(default_factory=ElasticSection)
+    fault: FaultSection = field(default_factory=FaultSection)
     schemes: SchemesSection = field(default_factory=SchemesSection)
     slurm: SlurmSection = field(default_factory=SlurmSection)
     """SLURM submission settings; local runs ignore them."""
@@ -68,6 +70,11 @@ class JobConfig:
             raise ConfigError(
                 f"elastic.min_stages({self.elastic.min_stages}) > pipeline.num_stages"
                 f"({num_stages}): the job could never pack; HINT: lower elastic.min_stages"
+            )
+        if self.fault.inject_step is not None and self.fault.inject_rank >= num_stages:
+            raise ConfigError(
+                f"fault.inject_rank={self.fault.inject_rank} is not a rank of a "
+                f"{num_stages}-stage job; HINT: use 0..{num_stages - 1}"
             )
         parts = self.pipeline.partition
         if parts is not None:

@@ -9,7 +9,9 @@ from the one mpi4py was built against, and mixing them fails in confusing ways. 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -18,14 +20,25 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
-from dynmo_hpc.launch.resize import run_elastic
-from dynmo_hpc.launch.rundir import claim_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, lock_run_dir
+from dynmo_hpc.launch.step_process import StepProcess
+from dynmo_hpc.launch.supervisor import (
+    ATTEMPT_ENV,
+    JobOutcome,
+    StepLaunch,
+    StepResult,
+    supervise,
+)
 
 log = logging.getLogger(__name__)
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What ``dynmo-hpc run`` turns into a clean stop of the ranks (checkpoint, then exit)."""
 
 LAUNCH_TIME_ENV = "DYNMO_LAUNCH_UNIX_S"
 """Set for the ranks: when their launcher started them (Unix seconds), so rank 0 can measure
@@ -44,17 +57,26 @@ class LaunchSpec:
 
 class Launcher(Protocol):
     def command(self, spec: LaunchSpec) -> list[str]: ...
-    def run(self, spec: LaunchSpec, timeout_s: float) -> int: ...
+    def run(self, spec: LaunchSpec, timeout_s: float, grace_s: float = ...) -> StepResult: ...
 
 
 def worker_argv(
-    config_path: Path, python: str | None = None, resume_from: Path | None = None
+    config_path: Path,
+    python: str | None = None,
+    resume_from: Path | None = None,
+    *,
+    restart: bool = False,
 ) -> list[str]:
-    """The rank program: the training worker under ``python -m mpi4py`` (abort on exception)."""
+    """The rank program: the training worker under ``python -m mpi4py`` (abort on exception).
+
+    ``restart``: start over after a failure that left no checkpoint (appending to the run log).
+    """
     argv = [python or sys.executable, "-m", "mpi4py", "-m", "dynmo_hpc.launch.worker"]
     argv.append(str(config_path))
     if resume_from is not None:
         argv += ["--resume", str(resume_from)]
+    elif restart:
+        argv.append("--restart")
     return argv
 
 
@@ -111,37 +133,58 @@ class LocalMpiLauncher:
         env.update(spec.env)
         return env
 
-    def run(self, spec: LaunchSpec, timeout_s: float) -> int:
+    def run(self, spec: LaunchSpec, timeout_s: float, grace_s: float = 60.0) -> StepResult:
+        """Run the step to its end; Ctrl-C, SIGTERM or SIGHUP stop it cleanly.
+
+        The first such signal becomes SIGUSR2 to ``mpiexec``, which passes it to every rank:
+        they agree to stop after the current step, write a checkpoint, close the run log and
+        exit. If they have not within ``grace_s``, or on a second signal, every process of the
+        step is killed. Either way nothing is left running.
+        """
         cmd = self.command(spec)
         log.info("launching: %s", " ".join(cmd))
-        proc = subprocess.Popen(
-            cmd, env=self.environment(spec), cwd=spec.cwd, start_new_session=True
-        )
+        step = StepProcess(cmd, self.environment(spec), spec.cwd)
+        interrupts: list[int] = []
+        grace_deadline = math.inf
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            nonlocal grace_deadline
+            interrupts.append(signum)
+            if len(interrupts) == 1:
+                grace_deadline = time.monotonic() + grace_s
+                log.warning(
+                    "%s: asking the ranks to checkpoint and stop (up to %.0f s; again to kill)",
+                    signal.Signals(signum).name,
+                    grace_s,
+                )
+                step.send(signal.SIGUSR2)
+
+        previous = {}
+        for sig in INTERRUPT_SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                previous[sig] = signal.signal(sig, on_signal)
+        deadline = time.monotonic() + timeout_s
         try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise LaunchError(
-                f"job exceeded runtime.timeout_s={timeout_s:g} s and was killed; "
-                "HINT: raise runtime.timeout_s or lower train.steps"
-            ) from None
-        except KeyboardInterrupt:
-            _kill_group(proc)
+            while (rc := step.poll()) is None:
+                now = time.monotonic()
+                if len(interrupts) > 1 or now > grace_deadline:
+                    log.error("stopping every rank now")
+                    step.kill_all()
+                    continue
+                if now > deadline:
+                    step.kill_all()
+                    raise LaunchError(
+                        f"job exceeded runtime.timeout_s={timeout_s:g} s and was killed; "
+                        "HINT: raise runtime.timeout_s or lower train.steps"
+                    )
+                time.sleep(0.1)
+        except BaseException:
+            step.kill_all()
             raise
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate mpiexec and every rank it started (they share its process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return StepResult(rc, step.tail(), interrupted=interrupts[0] if interrupts else 0)
 
 
 def launch_local(
@@ -151,28 +194,48 @@ def launch_local(
     resume_from: Path | None = None,
     overwrite: bool = False,
 ) -> tuple[int, Path]:
-    """Run ``cfg`` on ``pipeline.num_stages`` local ranks; returns (exit code, run directory).
+    """Run ``cfg`` on local ranks; returns (exit code, run directory). See :func:`run_local`."""
+    outcome = run_local(cfg, timeout_s, resume_from=resume_from, overwrite=overwrite)
+    return outcome.exit_code, cfg.run_dir
 
-    Used by ``dynmo-hpc run``, the tests and the benchmarks. A new run refuses a run directory
+
+def run_local(
+    cfg: JobConfig,
+    timeout_s: float | None = None,
+    *,
+    resume_from: Path | None = None,
+    overwrite: bool = False,
+) -> JobOutcome:
+    """Run ``cfg`` on ``pipeline.num_stages`` local ranks; returns how the job ended.
+
+    Used by ``dynmo-hpc run``, the tests and the benchmarks. The run directory is locked for the
+    whole job (a second run of the same job name is refused). A new run refuses a run directory
     that holds an earlier run's outputs, unless ``overwrite`` (then they are removed first);
     ``resume_from`` (a verified ``checkpoint/step_<n>`` directory) continues that run instead.
     A stale ``result.json`` is removed either way, so a result file always belongs to this run.
-    With ``elastic.enabled``, a step that asks to pack is relaunched on fewer ranks
-    (:func:`~dynmo_hpc.launch.resize.run_elastic`); ``timeout_s`` bounds all steps together.
+    Resizes (``elastic.enabled``) and restarts after a failure (``fault.max_restarts``) are
+    new MPI steps (:func:`~dynmo_hpc.launch.supervisor.supervise`); ``timeout_s`` bounds all
+    steps together.
     """
     launcher = LocalMpiLauncher(cfg.runtime.mpi_launcher)
-    if resume_from is None:
-        claim_run_dir(cfg.run_dir, overwrite=overwrite)
-    (cfg.run_dir / "result.json").unlink(missing_ok=True)
-    deadline = time.monotonic() + (cfg.runtime.timeout_s if timeout_s is None else timeout_s)
+    with lock_run_dir(cfg.run_dir):
+        if resume_from is None:
+            claim_run_dir(cfg.run_dir, overwrite=overwrite, locked_by_us=True)
+        (cfg.run_dir / "result.json").unlink(missing_ok=True)
+        deadline = time.monotonic() + (cfg.runtime.timeout_s if timeout_s is None else timeout_s)
 
-    def run_step(step_cfg: JobConfig, config_path: Path, resume: Path | None) -> int:
-        spec = LaunchSpec(
-            num_ranks=step_cfg.pipeline.num_stages,
-            rank_argv=worker_argv(config_path, resume_from=resume),
-            env={LAUNCH_TIME_ENV: repr(time.time())},
-        )
-        return launcher.run(spec, timeout_s=max(1.0, deadline - time.monotonic()))
+        def run_step(step_cfg: JobConfig, launch: StepLaunch) -> StepResult:
+            spec = LaunchSpec(
+                num_ranks=step_cfg.pipeline.num_stages,
+                rank_argv=worker_argv(
+                    launch.config_path, resume_from=launch.resume_from, restart=launch.restart
+                ),
+                env={LAUNCH_TIME_ENV: repr(time.time()), ATTEMPT_ENV: str(launch.attempt)},
+            )
+            return launcher.run(
+                spec,
+                timeout_s=max(1.0, deadline - time.monotonic()),
+                grace_s=step_cfg.fault.stop_grace_s,
+            )
 
-    rc = run_elastic(cfg, run_step, shrink=lambda _cfg: 0.0, resume_from=resume_from)
-    return rc, cfg.run_dir
+        return supervise(cfg, run_step, shrink=lambda _cfg: 0.0, resume_from=resume_from)

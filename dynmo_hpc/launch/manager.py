@@ -28,7 +28,16 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.packing import nodes_for
 from dynmo_hpc.errors import ConfigError, LaunchError
 from dynmo_hpc.launch.local import LAUNCH_TIME_ENV, worker_argv
-from dynmo_hpc.launch.resize import run_elastic
+from dynmo_hpc.launch.rundir import lock_run_dir
+from dynmo_hpc.launch.step_process import StepProcess
+from dynmo_hpc.launch.supervisor import (
+    ATTEMPT_ENV,
+    JobOutcome,
+    StepLaunch,
+    StepResult,
+    newest_checkpoint,
+    supervise,
+)
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
 from dynmo_hpc.slurm.resize import nodes_to_keep, resized_env, shrink_job
@@ -55,18 +64,60 @@ def check_allocation(cfg: config_mod.JobConfig, environ: dict[str, str] | None =
     return slots
 
 
+class ActiveStep:
+    """The MPI step running now (if any) and the stop signal it was sent: shared between the
+    manager's loop and the signal handlers (ours, or submitit's ``checkpoint()``)."""
+
+    step: StepProcess | None = None
+    stop_signal: int = 0
+
+    @classmethod
+    def stop(cls, signum: int) -> None:
+        """Ask the running step to checkpoint at its next step boundary and end."""
+        cls.stop_signal = signum
+        if cls.step is not None:
+            cls.step.send(signum)
+
+    @classmethod
+    def wait_stopped(cls, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the running step to end; True once none runs."""
+        step = cls.step
+        if step is None:
+            return True
+        try:
+            step.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+def requeue_count(environ: dict[str, str] | None = None) -> int:
+    """How often SLURM has requeued this job (``SLURM_RESTART_COUNT``; 0 for a first run)."""
+    value = (os.environ if environ is None else environ).get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.strip().isdigit() else 0
+
+
 def run_manager(
     config_path: str | Path,
     overrides: list[str] | None = None,
     *,
     launcher: str | None = None,
     loopback_only: bool | None = None,
-) -> int:
-    """Run the job's training as MPI steps in the current allocation; returns the exit code.
+    resume: bool | None = None,
+    handle_preemption: bool = True,
+) -> JobOutcome:
+    """Run the job's training as MPI steps in the current allocation; returns how it ended.
 
-    One step normally; with ``elastic.enabled`` a step that asks to pack is followed by a
-    shrink of the allocation (``scontrol update``, keeping this node) and a new, smaller step
-    that resumes from the pack's checkpoint (:func:`~dynmo_hpc.launch.resize.run_elastic`).
+    One step normally. A pack (``elastic.enabled``) shrinks the allocation (``scontrol
+    update``, keeping this node) and starts a smaller step from the pack's checkpoint; a failed
+    step is restarted from the newest complete checkpoint, up to ``fault.max_restarts`` times
+    (:func:`~dynmo_hpc.launch.supervisor.supervise`).
+
+    ``resume``: continue from the run's newest complete checkpoint (from the start, appending to
+    the run log, when there is none); None: when SLURM has requeued the job. With
+    ``handle_preemption`` the manager catches SIGUSR2 and SIGTERM itself and passes them to the
+    step; a submitit job leaves SIGUSR2 to submitit, whose handler calls
+    :meth:`dynmo_hpc.slurm.requeue.ManagerJob.checkpoint`.
     """
     if not in_slurm_job():
         raise LaunchError(
@@ -84,22 +135,33 @@ def run_manager(
         if first.tasks_per_node
         else max(1, -(-cfg.pipeline.num_stages // first.num_nodes))
     )
+    if resume is None:
+        resume = requeue_count() > 0
+    resume_from = newest_checkpoint(cfg.run_dir) if resume else None
+    if resume:
+        log.warning(
+            "job %s (requeue %d): continuing from %s",
+            first.job_id,
+            requeue_count(),
+            resume_from or "the beginning (no complete checkpoint)",
+        )
     t0 = time.perf_counter()
 
-    def run_step(step_cfg: config_mod.JobConfig, resolved: Path, resume: Path | None) -> int:
+    def run_step(step_cfg: config_mod.JobConfig, launch: StepLaunch) -> StepResult:
         held = read_slurm_env()
         argv = mpi_step_argv(
             launcher,
-            worker_argv(resolved, resume_from=resume),
+            worker_argv(launch.config_path, resume_from=launch.resume_from, restart=launch.restart),
             num_tasks=step_cfg.pipeline.num_stages,
             num_nodes=min(held.num_nodes, nodes_for(step_cfg.pipeline.num_stages, ranks_per_node))
-            if resume is not None
+            if launch.resume_from is not None
             else None,
         )
         env = {
             **os.environ,
             **slurm_mpi_env(launcher, loopback_only=loopback_only),
             LAUNCH_TIME_ENV: repr(time.time()),
+            ATTEMPT_ENV: str(launch.attempt + 1000 * requeue_count()),
         }
         log.info(
             "job %s: %d stages on %d task slots (%d nodes); step: %s",
@@ -109,7 +171,7 @@ def run_manager(
             held.num_nodes,
             " ".join(argv),
         )
-        return _run_forwarding_signals(argv, env)
+        return _run_step(argv, env, handle_preemption)
 
     def shrink(smaller: config_mod.JobConfig) -> float:
         held = read_slurm_env()
@@ -133,34 +195,62 @@ def run_manager(
         )
         return seconds
 
-    rc = run_elastic(cfg, run_step, shrink)
+    with lock_run_dir(cfg.run_dir):
+        outcome = supervise(
+            cfg, run_step, shrink, resume_from=resume_from, restart=resume and not resume_from
+        )
     elapsed_s = time.perf_counter() - t0
-    if rc == 0:
-        log.info("training finished in %.1f s; run directory %s", elapsed_s, cfg.run_dir)
-    else:
-        log.error(
-            "training step failed (exit code %d) after %.1f s; run directory %s",
-            rc,
+    if outcome.interrupted:
+        log.warning(
+            "training stopped by signal %d after %.1f s; run directory %s",
+            outcome.interrupted,
             elapsed_s,
             cfg.run_dir,
         )
-    return rc
+    elif outcome.exit_code == 0:
+        log.info("training finished in %.1f s; run directory %s", elapsed_s, cfg.run_dir)
+    else:
+        last = outcome.failures[-1].describe() if outcome.failures else "no rank named"
+        log.error(
+            "training failed (exit code %d) after %.1f s and %d restart(s): %s (%s); "
+            "run directory %s",
+            outcome.exit_code,
+            elapsed_s,
+            outcome.restarts,
+            last,
+            outcome.gave_up or "not restarted",
+            cfg.run_dir,
+        )
+    return outcome
 
 
-def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
-    """Run one MPI step; SIGUSR2/SIGTERM to the manager go on to the step."""
-    proc = subprocess.Popen(argv, env=env)
+def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> StepResult:
+    """Run one MPI step; with ``handle_preemption``, SIGUSR2/SIGTERM go on to it."""
+    step = StepProcess(argv, env)
+    ActiveStep.step = step
+    ActiveStep.stop_signal = 0
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        log.warning("received signal %d; forwarding to the training step", signum)
-        proc.send_signal(signum)
+        log.warning("received signal %d; passing it to the training step", signum)
+        ActiveStep.stop(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    signals = (signal.SIGUSR2, signal.SIGTERM) if handle_preemption else ()
+    previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        return proc.wait()
+        rc = step.wait()
+    except BaseException:
+        step.kill_all()
+        raise
     finally:
+        ActiveStep.step = None
         for s, handler in previous.items():
             signal.signal(s, handler)
+    return StepResult(rc, step.tail(), interrupted=ActiveStep.stop_signal)
+
+
+def requeue(job_id: str) -> None:
+    """``scontrol requeue``: SLURM ends this run of the job and queues it again."""
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,10 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return run_manager(args[0], args[1:])
+        outcome = run_manager(args[0], args[1:])
     except (ConfigError, LaunchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if outcome.interrupted == signal.SIGUSR2:
+        # SLURM's warning before the time limit or a preemption: the step has checkpointed;
+        # run again from there (the template asks for --requeue).
+        job_id = read_slurm_env().job_id
+        log.warning("requeueing job %s; it will resume from its newest checkpoint", job_id)
+        requeue(job_id)
+        return 0
+    return outcome.exit_code
 
 
 if __name__ == "__main__":

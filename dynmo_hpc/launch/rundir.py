@@ -7,7 +7,14 @@ before starting ranks, so the ranks always load the resolved config that was rea
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
 import shutil
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dynmo_hpc.atomic_io import atomic_write_text
@@ -32,15 +39,81 @@ def run_outputs(run_dir: Path) -> list[str]:
     return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
 
 
-def claim_run_dir(run_dir: Path, *, overwrite: bool) -> None:
+LOCK_FILE = ".lock"
+"""Held (``flock``) by the process that runs the job: the CLI locally, the manager on SLURM."""
+
+
+def _lock_holder(lock_path: Path) -> str:
+    try:
+        info = json.loads(lock_path.read_text())
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["unix_s"])))
+        return f"pid {info['pid']} on {info['host']}, since {started}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def _busy(run_dir: Path) -> str:
+    return (
+        f"{run_dir} is in use by a running job ({_lock_holder(run_dir / LOCK_FILE)}); "
+        "HINT: wait for it to end, stop it, or run this one under another job.name "
+        "(--set job.name=...)"
+    )
+
+
+@contextlib.contextmanager
+def lock_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory for one job; a second job on it fails at once, naming the first.
+
+    Why: two jobs with the same ``job.name`` would interleave their run logs and checkpoints.
+    The lock is an ``flock`` on ``<run dir>/.lock``: the kernel drops it when the holder dies,
+    however it dies, so a crashed run never leaves a stale lock behind.
+
+    Raises:
+        LaunchError: another process holds the lock.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = run_dir / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LaunchError(_busy(run_dir)) from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "unix_s": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_locked(run_dir: Path) -> bool:
+    """True while a job holds ``run_dir`` (a probe: the lock is released at once)."""
+    lock_path = run_dir / LOCK_FILE
+    if not lock_path.is_file():
+        return False
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool, locked_by_us: bool = False) -> None:
     """Make ``run_dir`` ready for a new run: refuse one that holds a run, or clear it.
 
     Why: two runs writing one directory would interleave their run logs and checkpoints, and a
     silently replaced run log is lost work. ``overwrite=True`` removes the earlier outputs.
 
     Raises:
-        LaunchError: the directory holds a run and ``overwrite`` is False.
+        LaunchError: the directory holds a run and ``overwrite`` is False, or a running job
+            holds it (unless ``locked_by_us``: the caller holds :func:`lock_run_dir`).
     """
+    if not locked_by_us and is_locked(run_dir):
+        raise LaunchError(_busy(run_dir))
     found = run_outputs(run_dir)
     if not found:
         return

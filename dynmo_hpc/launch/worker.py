@@ -22,18 +22,21 @@ from dynmo_hpc.pipeline.trainer import Trainer
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     resume_from: Path | None = None
+    restart = False
     if len(args) == 3 and args[1] == "--resume":
         resume_from = Path(args[2])
+    elif len(args) == 2 and args[1] == "--restart":
+        restart = True
     elif len(args) != 1:
         raise SystemExit(
             "usage: python -m mpi4py -m dynmo_hpc.launch.worker RUN_DIR/config.yaml "
-            "[--resume CHECKPOINT_DIR]"
+            "[--resume CHECKPOINT_DIR | --restart]"
         )
     comm = MPI.COMM_WORLD
     setup_logging(comm.rank)
     config_path = Path(args[0])
     cfg = config_mod.load(config_path)
-    Trainer(cfg, comm, config_path.parent, resume_from=resume_from).train()
+    Trainer(cfg, comm, config_path.parent, resume_from=resume_from, restart=restart).train()
     return 0
 
 

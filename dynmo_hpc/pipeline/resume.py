@@ -26,6 +26,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,12 +142,14 @@ def save(
     pipeline_stage: PipelineStage,
     keep: int,
     run_state: dict[str, Any] | None,
+    after_files: Callable[[], None] | None = None,
 ) -> tuple[Path, float, int]:
     """Write checkpoint ``step`` collectively; returns (its path, seconds, bytes written).
 
     Every rank writes its own layers; rank 0 (which passes ``run_state``; the others pass None)
     then writes the run state and the manifest, last, so the checkpoint is complete only once
     every file is. A stale directory of the same step (a replay after a crash) is replaced.
+    ``after_files`` runs once this rank's layer files are written (fault injection).
     """
     t0 = time.perf_counter()
     root = checkpoint.checkpoint_root(run_dir)
@@ -160,6 +163,8 @@ def save(
         files[checkpoint.layer_name(slot.index)] = checkpoint.write_file(
             directory, checkpoint.layer_name(slot.index), data
         )
+    if after_files is not None:
+        after_files()
     gathered = comm.gather(files, root=0)
     if comm.rank == 0:
         assert run_state is not None, "rank 0 writes the run state"

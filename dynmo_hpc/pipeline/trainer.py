@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
+from dynmo_hpc.balance.moves import plan_moves
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.launch.local import LAUNCH_TIME_ENV
 from dynmo_hpc.launch.resize import take_phases, write_request
@@ -46,7 +47,15 @@ from dynmo_hpc.pipeline.costs import (
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import peak_memory_bytes, pick_device
 from dynmo_hpc.pipeline.elastic import PackController, pack_result_event, resize_event
-from dynmo_hpc.pipeline.lifecycle import StopRequest, TrainResult, count_nodes, inject_failure
+from dynmo_hpc.pipeline.lifecycle import (
+    FaultPoints,
+    StopRequest,
+    TrainResult,
+    count_nodes,
+    inject_failure,
+    log_failures,
+    log_progress,
+)
 from dynmo_hpc.pipeline.migration import MigrationStats, measure_bandwidth, migrate
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.pipeline.schedule import build_schedule
@@ -66,8 +75,15 @@ class Trainer:
     """Owns one rank's stage, the step loop and rank 0's reporting."""
 
     def __init__(
-        self, cfg: JobConfig, comm: MPI.Comm, run_dir: Path, resume_from: Path | None = None
+        self,
+        cfg: JobConfig,
+        comm: MPI.Comm,
+        run_dir: Path,
+        resume_from: Path | None = None,
+        *,
+        restart: bool = False,
     ) -> None:
+        """``restart``: a restart after a failure that left no checkpoint (starts over)."""
         num_stages = cfg.pipeline.num_stages
         if comm.size != num_stages:
             raise RuntimeError(
@@ -78,6 +94,8 @@ class Trainer:
         self.comm = comm
         self.rank = comm.rank
         self.run_dir = run_dir
+        self.faults = FaultPoints(cfg, self.rank, run_dir)
+        self.faults.enter("start", -1)
         self.num_nodes = count_nodes(comm)
         torch.set_num_threads(cfg.runtime.threads_per_rank)
         self.device = pick_device(cfg.runtime.device)
@@ -134,15 +152,17 @@ class Trainer:
         self.last_checkpoint_monotonic = time.monotonic()
         self.writer: Any = None
         if self.rank == 0:
-            restart = None
+            restart_info = None
             if resume_from is not None and state is not None:
-                restart = {
+                restart_info = {
                     "checkpoint": str(resume_from),
                     "checkpoint_step": self.start_step,
                     "restore_s": restore_s,
                     "parts": self.parts,
                     "saved_parts": state["parts"],
                 }
+            elif restart:
+                restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
                 log.info(
                     "resumed from %s (step %d) in %.2f s on partition %s",
                     resume_from,
@@ -150,7 +170,8 @@ class Trainer:
                     restore_s,
                     self.parts,
                 )
-            self.writer = self._open_runlog(restart)
+            self.writer = self._open_runlog(restart_info)
+            log_failures(self.writer, run_dir)
             if resume_from is not None:
                 self._log_skipped_checkpoints(resume_from)
         self.pack_target: dict[str, Any] | None = None
@@ -225,6 +246,8 @@ class Trainer:
             sizes=self.pipeline_stage.layer_sizes(),
             peak_mem_bytes=peak_memory_bytes(self.device),
         )
+        self.faults.enter("load_report", step)
+        self.faults.strike("load_report", step)
         gathered = self.comm.gather(mine, root=0)
         plan_parts: list[int] | None = None
         pack_target: dict[str, Any] | None = None
@@ -238,7 +261,16 @@ class Trainer:
         new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
         self.num_reports += 1
         if new_parts is not None:
-            stats = migrate(self.pipeline_stage, self.migration_comm, new_parts)
+            self.faults.enter("migration", step)
+            receiving = any(m.dst == self.rank for m in plan_moves(self.parts, new_parts))
+            if not receiving:  # a sender-only rank fails while its peers are mid-migration
+                self.faults.strike("migration", step)
+            stats = migrate(
+                self.pipeline_stage,
+                self.migration_comm,
+                new_parts,
+                on_chunk=lambda _item, _k, chunk: self.faults.strike("migration", step, chunk),
+            )
             totals = self.comm.gather(stats, root=0)
             self.parts = list(new_parts)
             if self.rank == 0:
@@ -360,6 +392,7 @@ class Trainer:
     def step(self, step: int) -> StepStats:
         cfg = self.cfg
         t0 = time.perf_counter()
+        self.faults.enter("step", step)
         if cfg.runtime.fail_at_step == step and self.rank == cfg.runtime.fail_rank:
             inject_failure(cfg.runtime.fail_mode, self.rank, step)
         actions = build_schedule(
@@ -403,26 +436,8 @@ class Trainer:
             )
             for event in scheme_events:
                 self.writer.log_event(step=step, kind=event["kind"], detail=event)
-            self._progress(step, loss, sum(g[1] for g in gathered))
+            log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
         return stats
-
-    def _progress(self, step: int, loss: float, aux_loss: float) -> None:
-        steps = self.cfg.train.steps
-        if (step + 1) % self.cfg.train.log_interval and step + 1 != steps and step != 0:
-            return
-        recent = self.result.step_time_s[-self.cfg.train.log_interval :]
-        eta_s = float(np.median(recent)) * (steps - step - 1)
-        aux = f" aux {aux_loss:.4f}" if aux_loss else ""
-        log.info(
-            "step %d/%d | loss %.4f%s | %.0f tok/s | step %.3f s | ETA %.0f s",
-            step + 1,
-            steps,
-            loss,
-            aux,
-            float(np.median(self.result.tokens_per_s[-self.cfg.train.log_interval :])),
-            recent[-1],
-            eta_s,
-        )
 
     def train(self) -> TrainResult:
         cfg = self.cfg
@@ -465,6 +480,7 @@ class Trainer:
                     saved_step = step + 1
             if resized:  # the next MPI step carries on: no result, no final checkpoint
                 stop.restore()
+                self.faults.close()
                 if self.writer is not None:
                     self.writer.close(status="resize")
                 return self.result
@@ -489,6 +505,7 @@ class Trainer:
                 self.writer = None
             raise
         stop.restore()
+        self.faults.close()
         if self.writer is not None:
             self.writer.close()
         return self.result
@@ -542,8 +559,15 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
         state = self.run_state(step) if self.rank == 0 else None
+        self.faults.enter("checkpoint", step - 1)
         directory, seconds, num_bytes = resume.save(
-            self.comm, self.run_dir, step, self.pipeline_stage, self.cfg.checkpoint.keep, state
+            self.comm,
+            self.run_dir,
+            step,
+            self.pipeline_stage,
+            self.cfg.checkpoint.keep,
+            state,
+            after_files=lambda: self.faults.strike("checkpoint", step - 1),
         )
         self.last_checkpoint_monotonic = time.monotonic()
         if self.rank == 0:

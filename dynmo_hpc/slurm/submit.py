@@ -32,9 +32,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.launch.manager import run_manager
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
-from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.slurm.requeue import ManagerJob, run_in_allocation
 from dynmo_hpc.slurm.scheduler import (
     TERMINAL_STATES,
     SubmitError,
@@ -301,26 +300,6 @@ def make_executor(
     return executor
 
 
-def run_in_allocation(config_path: str, launcher: str, loopback_only: bool) -> dict[str, Any]:
-    """What a submitit job runs: the job manager, once, in the batch script; returns result.json.
-
-    Raising on a failed step makes the job FAILED in SLURM (submitit exits non-zero), so sacct and
-    ``job.state`` tell the truth.
-    """
-    setup_logging(0)
-    rc = run_manager(config_path, launcher=launcher, loopback_only=loopback_only)
-    run_dir = Path(config_path).parent
-    result_path = run_dir / "result.json"
-    if rc != 0 or not result_path.is_file():
-        raise SubmitError(
-            f"training step exited with code {rc} (result.json "
-            f"{'written' if result_path.is_file() else 'missing'}); run directory {run_dir}. "
-            "HINT: the failing rank's traceback is in this job's stderr log"
-        )
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    return result
-
-
 def submit(
     config_or_path: config_mod.JobConfig | str | Path,
     *,
@@ -379,10 +358,10 @@ def submit(
     launcher, loopback_only = configs[0].slurm.launcher, configs[0].slurm.loopback_only
     try:
         if not sweep:
-            jobs = [executor.submit(run_in_allocation, paths[0], launcher, loopback_only)]
+            jobs = [executor.submit(ManagerJob(), paths[0], launcher, loopback_only)]
         else:
             n = len(paths)
-            jobs = executor.map_array(run_in_allocation, paths, [launcher] * n, [loopback_only] * n)
+            jobs = executor.map_array(ManagerJob(), paths, [launcher] * n, [loopback_only] * n)
     except (
         OSError,
         submitit.core.utils.UncompletedJobError,

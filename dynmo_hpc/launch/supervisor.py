@@ -1,0 +1,205 @@
+"""The loop outside the MPI step: run it, and after it ends resize, restart or stop.
+
+One loop serves ``dynmo-hpc run`` (local ``mpiexec``) and the SLURM manager alike; the backend
+only says how to start one step (:data:`RunStep`) and how to give nodes back (:data:`Shrink`).
+
+* A step that exits 0 with a resize request (:mod:`dynmo_hpc.launch.resize`) is followed by a
+  shrink and a new, smaller step that resumes from the pack's checkpoint.
+* A step that fails (a rank killed by a signal, an aborted rank, a failed migration) is
+  restarted from the newest complete checkpoint (or from the start when there is none yet), up
+  to ``fault.max_restarts`` times. Each failure is described from the launcher's report and the
+  ranks' status files (:mod:`dynmo_hpc.launch.failure`), logged, and handed to the next step's
+  rank 0 in ``failure_pending.json`` for the run log's ``failure`` events. The same failure twice
+  in a row (same rank, cause and step) is not retried again: it is not transient.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.errors import CheckpointError
+from dynmo_hpc.launch import rank_status
+from dynmo_hpc.launch.failure import StepFailure, describe_failure
+from dynmo_hpc.launch.resize import RESIZE_PHASES, resized_config, take_request
+from dynmo_hpc.launch.rundir import prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+FAILURE_PENDING = "failure_pending.json"
+"""Failures the next step's rank 0 logs to the run log (removed once logged)."""
+MAX_STEPS = 256
+"""Resizes plus restarts: a job that needs more MPI steps than this is looping: stop it."""
+ATTEMPT_ENV = "DYNMO_ATTEMPT"
+"""Set for the ranks: 0 for a job's first MPI step, then 1, 2, ... (fault injection fires at 0)."""
+
+
+@dataclass(frozen=True)
+class StepLaunch:
+    """What one MPI step is asked to do."""
+
+    config_path: Path
+    resume_from: Path | None
+    """The checkpoint to resume from, or None."""
+    attempt: int
+    """0 for the job's first step; resizes and restarts count up."""
+    restart: bool = False
+    """A restart with no checkpoint yet: start over, appending to the run log."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    exit_code: int
+    output_tail: str = ""
+    """The launcher's last output (stderr), where it says which rank failed and how."""
+    interrupted: int = 0
+    """The signal that asked the step to stop (Ctrl-C, SIGTERM, a preemption), or 0."""
+
+
+RunStep = Callable[[JobConfig, StepLaunch], StepResult]
+"""Start one MPI step of a job and wait for it."""
+Shrink = Callable[[JobConfig], float]
+"""Release what ``cfg`` (the smaller job) no longer needs; returns the seconds it took."""
+
+
+@dataclass
+class JobOutcome:
+    """How the loop ended: the last step's exit code, and every failure on the way."""
+
+    exit_code: int
+    failures: list[StepFailure]
+    restarts: int
+    gave_up: str = ""
+    """Why a failed job was not restarted again (empty when it was not given up)."""
+    interrupted: int = 0
+    """The signal that stopped the job early (Ctrl-C, SIGTERM, a preemption), or 0."""
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete, verified checkpoint of the run, or None."""
+    from dynmo_hpc.pipeline import checkpoint
+
+    try:
+        return checkpoint.resolve(run_dir)[0].path
+    except CheckpointError:
+        return None
+
+
+def take_pending_failures(run_dir: Path) -> list[dict[str, Any]]:
+    """The new step's rank 0: failures not yet in the run log (the file is removed)."""
+    path = run_dir / FAILURE_PENDING
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    path.unlink(missing_ok=True)
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
+def _add_pending(run_dir: Path, record: dict[str, Any]) -> None:
+    path = run_dir / FAILURE_PENDING
+    try:
+        records = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError:
+        records = []
+    atomic_write_text(path, json.dumps([*records, record], indent=1))
+
+
+def supervise(
+    cfg: JobConfig,
+    run_step: RunStep,
+    shrink: Shrink,
+    resume_from: Path | None = None,
+    *,
+    restart: bool = False,
+) -> JobOutcome:
+    """Run the job's MPI steps until one ends without asking for a resize or a restart.
+
+    ``restart``: the first step starts over, appending to the run log (a requeued job with no
+    checkpoint yet).
+    """
+    failures: list[StepFailure] = []
+    restarts, restart_fresh = 0, restart
+    # A request or phases file left by a launcher that died: not this run's to act on.
+    take_request(cfg.run_dir)
+    (cfg.run_dir / RESIZE_PHASES).unlink(missing_ok=True)
+    for attempt in range(MAX_STEPS):
+        config_path = prepare_run_dir(cfg)
+        rank_status.clear(cfg.run_dir)
+        launch = StepLaunch(config_path, resume_from, attempt, restart=restart_fresh)
+        result = run_step(cfg, launch)
+        request = take_request(cfg.run_dir)
+        if result.interrupted:  # asked to stop: never resized or restarted
+            return JobOutcome(result.exit_code, failures, restarts, interrupted=result.interrupted)
+        if result.exit_code == 0:
+            if request is None:
+                return JobOutcome(0, failures, restarts)
+            cfg, resume_from = _resize(cfg, request, shrink), Path(request["checkpoint"])
+            restart_fresh = False
+            continue
+        failure = describe_failure(
+            result.exit_code, result.output_tail, rank_status.read_all(cfg.run_dir)
+        )
+        log.error("the MPI step failed: %s", failure.describe())
+        repeated = failure.same_as(failures[-1] if failures else None)
+        failures.append(failure)
+        record = {**failure.to_event(), "attempt": attempt, "unix_s": time.time()}
+        if restarts >= cfg.fault.max_restarts:
+            _add_pending(cfg.run_dir, {**record, "restarted": False})
+            why = f"fault.max_restarts={cfg.fault.max_restarts} restarts used"
+            return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
+        if repeated:
+            _add_pending(cfg.run_dir, {**record, "restarted": False})
+            why = "it failed the same way at the same step twice in a row"
+            return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
+        restarts += 1
+        resume_from = newest_checkpoint(cfg.run_dir)
+        restart_fresh = resume_from is None
+        _add_pending(
+            cfg.run_dir,
+            {**record, "restarted": True, "restart": restarts, "from": str(resume_from or "")},
+        )
+        log.warning(
+            "restart %d of %d from %s",
+            restarts,
+            cfg.fault.max_restarts,
+            resume_from or "the beginning (no complete checkpoint yet)",
+        )
+    log.error("the job needed more than %d MPI steps (resizes and restarts); stopping", MAX_STEPS)
+    return JobOutcome(1, failures, restarts, gave_up=f"more than {MAX_STEPS} MPI steps")
+
+
+def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:
+    """Shrink for the step's resize request; returns the smaller job (phases go to its rank 0)."""
+    exited_unix_s = time.time()
+    step_exit_s = max(0.0, exited_unix_s - float(request["requested_unix_s"]))
+    new_stages, parts = int(request["num_stages"]), [int(b) for b in request["parts"]]
+    log.warning(
+        "resize: %d -> %d stages after step %d (checkpoint %s)",
+        cfg.pipeline.num_stages,
+        new_stages,
+        request["step"],
+        request["checkpoint"],
+    )
+    smaller = resized_config(cfg, new_stages, parts)
+    shrink_s = shrink(smaller)
+    phases = {
+        "from_stages": cfg.pipeline.num_stages,
+        "to_stages": new_stages,
+        "step": request["step"],
+        "checkpoint": request["checkpoint"],
+        "checkpoint_s": request.get("checkpoint_s"),
+        "step_exit_s": step_exit_s,
+        "shrink_s": shrink_s,
+        "relaunch_unix_s": time.time(),
+        "request": request,
+    }
+    atomic_write_text(cfg.run_dir / RESIZE_PHASES, json.dumps(phases, indent=1))
+    return smaller
