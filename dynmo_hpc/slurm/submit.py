@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.manager import run_manager
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 from dynmo_hpc.logging_utils import setup_logging
@@ -357,6 +358,8 @@ def submit(
     else:
         configs = [config_mod.from_dict(data, source=source)]
     configs = [resolve_for_cluster(c) for c in configs]
+    for cfg in configs:
+        preflight.check_job(cfg, for_slurm=True)
     params = [executor_parameters(c) for c in configs]
     for cfg, p in zip(configs[1:], params[1:], strict=True):
         differs = {k for k in p if k != "job_name" and p[k] != params[0].get(k)}
