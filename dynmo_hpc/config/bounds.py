@@ -45,13 +45,13 @@ MAX_CAPACITY_FACTOR = 1000.0
 def at_most(key: str, value: float, limit: float, why: str) -> None:
     """Refuse ``value > limit`` with a one-line error naming the key, the value and why."""
     if value > limit:
-        raise ConfigError(f"{key}={value} > {limit:g}; HINT: {why}")
+        raise ConfigError(f"{key}={value} > {limit}; HINT: {why}")
 
 
 def in_range(key: str, value: float, low: float, high: float, why: str) -> None:
     """Refuse a value outside the closed interval ``[low, high]``."""
     if not low <= value <= high:
-        raise ConfigError(f"{key}={value} must be in [{low:g}, {high:g}]; HINT: {why}")
+        raise ConfigError(f"{key}={value} must be in [{low}, {high}]; HINT: {why}")
 
 
 def printable(key: str, value: str | None) -> None:
