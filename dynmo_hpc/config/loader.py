@@ -141,7 +141,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
     for key, value in data.items():
         if key not in valid:
             raise ConfigError(
-                f"{source}: unknown key '{prefix}{key}'; valid keys under "
+                f"{source}: unknown key {show(prefix + str(key))}; valid keys under "
                 f"'{prefix.rstrip('.') or '<top>'}' are: {', '.join(valid)}"
             )
         kwargs[key] = _coerce(value, hints[key], prefix + key, source)
@@ -183,7 +183,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, what: str = "--set") 
     for part in path[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{what} {key!r}: '{part}' is not a section")
+            raise ConfigError(f"{what} {key!r}: {part!r} is not a section")
         node = child
     node[path[-1]] = value
 
