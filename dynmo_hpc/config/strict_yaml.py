@@ -96,8 +96,9 @@ def _one_line(exc: yaml.YAMLError) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
-def parse_yaml(text: str, what: str) -> Any:
-    """``text`` as plain data (dicts, lists, scalars); ``what`` names its origin in errors.
+def parse_yaml(text: str, what: str, hint: str = "check the indentation and quoting there") -> Any:
+    """``text`` as plain data (dicts, lists, scalars); ``what`` names its origin in errors,
+    ``hint`` is the fix suggested for a syntax error.
 
     Raises:
         ConfigError: invalid or hostile YAML (the message is one line and ends with a HINT).
@@ -106,8 +107,8 @@ def parse_yaml(text: str, what: str) -> Any:
         return yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
         message = _one_line(exc)
-        hint = "" if "HINT:" in message else "; HINT: check the indentation and quoting there"
-        raise ConfigError(f"{what}: not valid YAML: {message}{hint}") from None
+        fix = "" if "HINT:" in message else f"; HINT: {hint}"
+        raise ConfigError(f"{what}: not valid YAML: {message}{fix}") from None
     except ValueError as exc:  # e.g. an integer of more than 4300 digits (CPython's limit)
         raise ConfigError(
             f"{what}: a value cannot be read ({exc}); HINT: a typo? no job setting is that large"

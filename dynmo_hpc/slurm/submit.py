@@ -29,9 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.manager import run_manager
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
@@ -131,14 +130,10 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
             f"--sweep {text!r}: expected section.key=v1,v2,...; HINT: e.g. --sweep "
             "train.lr=1e-3,3e-3"
         )
-    try:
-        values = yaml.safe_load(f"[{raw}]")
-    except yaml.YAMLError as exc:
-        raise config_mod.ConfigError(
-            f"--sweep {text!r}: the values are not a valid YAML list ("
-            f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}); HINT: separate "
-            "values with commas, e.g. 1e-3,3e-3"
-        ) from None
+    # The job files' reader: no base-60 numbers (slurm.time_min=1:00:00,2:00:00), no aliases.
+    values = parse_yaml(
+        f"[{raw}]", f"--sweep {text!r}", hint="separate values with commas, e.g. 1e-3,3e-3"
+    )
     values = [float(v) if isinstance(v, str) and _FLOAT.match(v) else v for v in values]
     if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
         raise config_mod.ConfigError(
