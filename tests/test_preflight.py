@@ -132,6 +132,12 @@ def test_run_directory_entries_of_the_wrong_kind_are_refused(tmp_path: Path) -> 
         preflight.check_job(cfg)
 
 
+def test_a_run_directory_the_file_system_cannot_hold_is_refused(tmp_path: Path) -> None:
+    cfg = config_mod.load(DEFAULT_JOB, [f"job.out_dir={tmp_path / ('d' * 5000)}"])
+    with pytest.raises(LaunchError, match=r"cannot be checked \(File name too long\); HINT"):
+        preflight.check_job(cfg)
+
+
 def test_mpi_launcher_must_be_an_executable_file(tmp_path: Path) -> None:
     script = tmp_path / "mpiexec"
     script.write_text("#!/bin/sh\n")

@@ -208,9 +208,16 @@ def _deepcopy(data: Any) -> Any:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a job YAML into plain data, with errors that name the file."""
     p = Path(path)
-    if p.is_dir():
+    try:
+        is_dir, is_file = p.is_dir(), p.is_file()
+    except OSError as exc:  # a name too long for the file system, a permission error
+        raise ConfigError(
+            f"{p}: cannot check the job file ({exc.strerror}); HINT: pass a YAML file such as "
+            "jobs/default.yaml"
+        ) from None
+    if is_dir:
         raise ConfigError(f"{p} is a directory; HINT: pass a YAML file such as jobs/default.yaml")
-    if not p.is_file():
+    if not is_file:
         raise ConfigError(f"{p}: job file not found; pass a YAML file such as jobs/default.yaml")
     try:
         text = p.read_bytes().decode("utf-8")

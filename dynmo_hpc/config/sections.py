@@ -151,7 +151,14 @@ class DataSection:
                 "the last 10 % of the text"
             )
         printable("data.path", self.path)
-        if self.path is not None and not Path(self.path).is_file():
+        try:
+            missing = self.path is not None and not Path(self.path).is_file()
+        except OSError as exc:  # a name too long for the file system, a permission error
+            raise ConfigError(
+                f"data.path={self.path!r} cannot be checked ({exc.strerror}); HINT: give a UTF-8 "
+                "text file or null"
+            ) from None
+        if missing:
             raise ConfigError(
                 f"data.path={self.path!r} is not a file; give a UTF-8 text file or null"
             )

@@ -33,7 +33,13 @@ def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
         LaunchError: the run directory, the device or the MPI launcher cannot be used.
     """
     check_data(cfg)
-    check_run_dir(cfg.run_dir)
+    try:
+        check_run_dir(cfg.run_dir)
+    except OSError as exc:  # a name too long for the file system, a permission error
+        raise LaunchError(
+            f"the run directory {cfg.run_dir} cannot be checked ({exc.strerror}); HINT: choose "
+            "another job.out_dir or job.name"
+        ) from None
     if for_slurm:
         check_slurm_device(cfg)
         check_venv(cfg.slurm.venv)

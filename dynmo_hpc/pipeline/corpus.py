@@ -35,9 +35,9 @@ def read_corpus(path: str | None) -> bytes:
         return default_corpus_text().encode("utf-8")
     where = f"data.path={path!r}"
     p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{where} is a directory; HINT: give one UTF-8 text file, or null")
     try:
+        if p.is_dir():
+            raise ConfigError(f"{where} is a directory; HINT: give one UTF-8 text file, or null")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
