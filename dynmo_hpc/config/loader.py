@@ -166,12 +166,12 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``section.key=value`` -> (["section", "key"], value parsed as YAML)."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
+        raise ConfigError(f"--set {show(text)}: expected section.key=value, e.g. train.steps=20")
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if len(path) < 2:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
-    value = parse_yaml(raw, f"--set {text!r}") if raw.strip() else None
+        raise ConfigError(f"--set {show(text)}: expected section.key=value, e.g. train.steps=20")
+    value = parse_yaml(raw, f"--set {show(text)}") if raw.strip() else None
     return path, value
 
 

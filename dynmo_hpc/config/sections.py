@@ -97,7 +97,12 @@ class ModelSection:
                 f"model.num_blocks={self.num_blocks} > {MAX_BLOCKS}; HINT: a typo? GPT-3 has 96"
             )
         for key in ("d_model", "d_ff", "seq_len", "vocab_size"):
-            at_most(f"model.{key}", getattr(self, key), MAX_WIDTH, "a typo? GPT-3's d_ff is 49152")
+            at_most(
+                f"model.{key}",
+                getattr(self, key),
+                MAX_WIDTH,
+                "a typo? GPT-3's widest matrix is 49152",
+            )
         if self.d_model % self.num_heads:
             raise ConfigError(
                 f"model.d_model({self.d_model}) % model.num_heads({self.num_heads}) != 0; "
