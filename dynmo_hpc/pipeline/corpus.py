@@ -82,7 +82,7 @@ def split_sizes(num_bytes: int, val_fraction: float, seq_len: int) -> tuple[int,
         if size and size < need:
             raise ConfigError(
                 f"the {name} split has {size} bytes but model.seq_len={seq_len} needs at least "
-                f"{need} (data.path has {num_bytes} bytes, data.val_fraction={val_fraction}); "
+                f"{need} (the corpus has {num_bytes} bytes, data.val_fraction={val_fraction}); "
                 "HINT: use a longer text file, a smaller model.seq_len"
                 + (", or data.val_fraction=0" if name == "validation" else "")
             )
