@@ -87,3 +87,33 @@ def test_failure_on_one_rank_aborts_the_job_quickly(tmp_path):
     assert "injected failure on rank 2 at step 2" in out.stderr  # that rank's traceback
     assert "error: training failed" in out.stderr
     assert elapsed_s < 60, f"abort took {elapsed_s:.0f} s"
+
+
+def test_a_yaml_syntax_error_is_one_line_with_a_hint(tmp_path):
+    job = tmp_path / "bad.yaml"
+    job.write_text("train:\n  steps: [1,\n")
+    out = dynmo("run", str(job))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ")
+    assert "not valid YAML" in out.stderr and "HINT:" in out.stderr
+
+
+def test_sexagesimal_time_renders_as_the_minutes_it_means(tmp_path):
+    """YAML 1.1 would read 1:00:00 as 3600 minutes; the script asks for 60."""
+    out = dynmo(
+        "sbatch",
+        "jobs/default.yaml",
+        "--set",
+        f"job.out_dir={tmp_path}",
+        "--set",
+        "slurm.time_min=1:00:00",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --time=60\n" in out.stdout
+
+
+def test_a_usage_error_is_one_line_with_a_hint():
+    out = dynmo("plan", "--costs", "1,1", "--stages", "two")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("error: dynmo-hpc plan: argument --stages: invalid int value")
+    assert "HINT: see dynmo-hpc plan --help" in out.stderr

@@ -98,3 +98,63 @@ def test_malformed_list_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
         _run(["--costs", "1,x", "--stages", "1"], capsys)
     assert excinfo.value.code == 2
     assert "comma-separated numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--costs", "", "--stages", "1"], r"costs is empty"),
+        (["--costs", ",", "--stages", "1"], r"costs is empty"),
+        (["--costs", "nan,1", "--stages", "1"], r"costs\[0\]=nan is invalid"),
+        (["--costs", "1,inf", "--stages", "1"], r"costs\[1\]=inf is invalid"),
+        (["--costs", "1e400,1", "--stages", "1"], r"costs\[0\]=inf is invalid"),
+        (["--costs", "1,-2", "--stages", "1"], r"costs\[1\]=-2.0 is invalid"),
+        (["--costs", "1e308,1e308", "--stages", "1"], r"the sum of the costs overflows"),
+        (["--costs", "1,1", "--stages", "0"], r"num_stages=0 must be >= 1"),
+        (["--costs", "1,1", "--stages", "-3"], r"num_stages=-3 must be >= 1"),
+        (["--costs", "1,1", "--stages", "3"], r"num_stages=3 > number of layers=2"),
+        (["--costs", "1,1", "--stages", "1.5"], r"argument --stages: invalid int value: '1.5'"),
+        (["--costs", "1,x", "--stages", "1"], r"argument --costs: expected comma-separated"),
+        (["--costs", "1,1", "--stages", "1", "--algorithm", "best"], r"invalid choice: 'best'"),
+        (["--costs", "1,1", "--stages", "1", "--capacity", "5"], r"must be given together"),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1,1"], r"must be given together"),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1,1", "--capacity", "nan"], r"capacity"),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1,1", "--capacity", "-1"], r"capacity"),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1", "--capacity", "5"], r"1 entries"),
+        (
+            ["--costs", "1,1", "--stages", "1", "--memory", "", "--capacity", "5"],
+            r"memory is empty",
+        ),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1,nan", "--capacity", "5"], r"nan"),
+        (["--costs", "1,1", "--stages", "1", "--memory", "1,-1", "--capacity", "5"], r"-1.0"),
+        (["--costs", "1,1", "--stages", "1", "--algorithm", "parameters", "--params", "1"], "1 e"),
+        (
+            ["--costs", "1,1", "--stages", "1", "--algorithm", "parameters", "--params", "1,-4"],
+            "-4",
+        ),
+        (["--costs", "1,1", "--stages", "2", "--current", "0,1"], r"must start at 0 and end at"),
+        (["--costs", "1,1", "--stages", "2", "--current", "0,5,2"], r"empty or reversed"),
+        (["--costs", "1,1", "--stages", "2", "--current", ""], r"needs at least two boundaries"),
+        (["--costs", "1,1", "--stages", "2", "--current", "0,a,2"], r"comma-separated whole"),
+        (
+            ["--costs", "1,1", "--stages", "2", "--algorithm", "diffusion", "--max-rounds", "-1"],
+            r"max_rounds=-1 must be >= 0",
+        ),
+        (["--costs", "1,1", "--stages", "2", "--max-rounds", "3"], r"does not take option"),
+    ],
+)
+def test_every_bad_plan_input_is_one_error_line_through_the_cli(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through ``dynmo-hpc``'s own parser: usage errors too are one line with a HINT, exit 2."""
+    from dynmo_hpc.cli import main
+
+    try:
+        rc = main(["plan", *argv])
+    except SystemExit as exc:  # argparse's usage errors exit from inside parse_args
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "HINT:" in err and "Traceback" not in err
+    assert re.search(message, err), err

@@ -439,3 +439,11 @@ def test_python_api_is_reexported() -> None:
     assert callable(dynmo_hpc.submit)
     submit_fn: Callable[..., Any] = submit_mod.submit
     assert submit_fn.__name__ == "submit"
+
+
+def test_sweep_values_are_read_like_job_files() -> None:
+    """No base-60 numbers (1:00:00 stays the SLURM time it means) and no aliases."""
+    assert parse_sweep("slurm.time_min=1:00:00,2-00") == ("slurm.time_min", ["1:00:00", "2-00"])
+    with pytest.raises(ConfigError, match=r"aliases .* are not allowed.*HINT") as info:
+        parse_sweep("train.steps=&a 1,*a")
+    assert "\n" not in str(info.value)

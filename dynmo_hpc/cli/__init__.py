@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from dynmo_hpc.cli import plan, report, run, slurm
+from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.version import __version__
@@ -20,7 +21,7 @@ from dynmo_hpc.version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dynmo-hpc`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dynmo-hpc",
         description="Balanced pipeline-parallel training of dynamic LLMs (DynMo).",
     )
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (DynmoError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        hint = f"see dynmo-hpc {args.command} --help"
+        print(error_line(exc, hint), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from dynmo_hpc.balance import ALGORITHMS, optimal_bottleneck, partition, plan_moves, stage_loads
+from dynmo_hpc.cli.errors import error_line
 
 
 def _floats(text: str) -> list[float]:
@@ -102,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = plan(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(
+            error_line(exc, "fix the option it names; see dynmo-hpc plan --help"), file=sys.stderr
+        )
         return 2
     print(json.dumps(result))
     return 0

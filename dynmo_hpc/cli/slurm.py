@@ -21,6 +21,7 @@ from typing import Any
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 from dynmo_hpc.slurm.sbatch import render_sbatch
 from dynmo_hpc.slurm.scheduler import (
@@ -100,7 +101,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         )
     data, source = load_job(args.job, args.overrides)
     cfg = resolve_for_cluster(config_mod.from_dict(data, source=source))
-    if args.submit:
+    if args.submit:  # printing a script for review (maybe for another host) checks no files
+        preflight.check_job(cfg, for_slurm=True)
         check_fits_cluster(cfg, query_partitions())
         claim_run_dir(cfg.run_dir, overwrite=args.overwrite)
     config_path = cfg.run_dir / "config.yaml"

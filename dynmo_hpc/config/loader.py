@@ -14,14 +14,34 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from dynmo_hpc.config.job import JobConfig
+from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+MAX_INT_BITS = 63
+"""No job setting needs an integer beyond 64 bits; larger ones are typos (or hostile) and would
+overflow numpy and torch on the ranks."""
+
+GENERIC_HINT = "HINT: fix it in the job file, or override it with --set SECTION.KEY=VALUE"
+"""Appended to a config error whose message has no more specific HINT."""
+
+
+def with_hint(message: str) -> str:
+    """``message`` ending with a HINT (the CLI's contract for every error line)."""
+    return message if "HINT:" in message else f"{message}; {GENERIC_HINT}"
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (never raises)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
@@ -42,19 +62,23 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if len(errors) == 1:  # ``X | None``: X's own message names the bad key inside it
             raise ConfigError(errors[0])
         raise ConfigError(
-            f"{source}: {key}={value!r} has the wrong type; expected {_type_name(tp)}"
+            f"{source}: {key}={show(value)} has the wrong type; expected {_type_name(tp)}"
         )
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{source}: {key}={value!r} is not valid; choose one of {list(args)}")
+            raise ConfigError(
+                f"{source}: {key}={show(value)} is not valid; choose one of {list(args)}"
+            )
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key}={value!r} must be a list of {_type_name(args[0])}")
+            raise ConfigError(
+                f"{source}: {key}={show(value)} must be a list of {_type_name(args[0])}"
+            )
         return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}={value!r} must be a mapping")
+            raise ConfigError(f"{source}: {key}={show(value)} must be a mapping")
         return {str(k): _coerce(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -64,7 +88,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{source}: {key}={value!r} must be true or false")
+            raise ConfigError(
+                f"{source}: {key}={show(value)} must be true or false; HINT: write true or "
+                "false, unquoted"
+            )
         return value
     if tp is float:
         if isinstance(value, str):
@@ -72,9 +99,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             try:
                 number = float(value)
             except ValueError:
-                raise ConfigError(f"{source}: {key}={value!r} must be a number") from None
+                raise ConfigError(f"{source}: {key}={show(value)} must be a number") from None
         elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{source}: {key}={value!r} must be a number")
+            raise ConfigError(f"{source}: {key}={show(value)} must be a number")
         else:
             try:
                 number = float(value)
@@ -82,17 +109,27 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 number = math.inf
         if not math.isfinite(number):
             raise ConfigError(
-                f"{source}: {key}={value!r} must be a finite number (NaN and infinities would "
+                f"{source}: {key}={show(value)} must be a finite number (NaN and infinities would "
                 "only fail later, on the ranks)"
             )
         return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: {key}={value!r} must be an integer")
+            raise ConfigError(
+                f"{source}: {key}={show(value)} must be an integer; HINT: write a whole number "
+                "without a decimal point or exponent, e.g. 8"
+            )
+        if value.bit_length() > MAX_INT_BITS:
+            raise ConfigError(
+                f"{source}: {key}={show(value)} does not fit in 64 bits; HINT: a typo? no job "
+                "setting is that large"
+            )
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{source}: {key}={value!r} must be a string")
+            raise ConfigError(
+                f'{source}: {key}={show(value)} must be a string; HINT: quote it, e.g. "yes"'
+            )
         return value
     raise ConfigError(f"{source}: {key}: unsupported field type {_type_name(tp)}")
 
@@ -104,7 +141,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
     for key, value in data.items():
         if key not in valid:
             raise ConfigError(
-                f"{source}: unknown key '{prefix}{key}'; valid keys under "
+                f"{source}: unknown key {show(prefix + str(key))}; valid keys under "
                 f"'{prefix.rstrip('.') or '<top>'}' are: {', '.join(valid)}"
             )
         kwargs[key] = _coerce(value, hints[key], prefix + key, source)
@@ -113,28 +150,28 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
 
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     """Build and validate a :class:`JobConfig`; errors are prefixed with ``source``."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    cfg: JobConfig = _build(JobConfig, data, "", source)
     try:
-        cfg.validate()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+        cfg: JobConfig = _build(JobConfig, data, "", source)
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(with_hint(str(exc))) from None
     return cfg
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``section.key=value`` -> (["section", "key"], value parsed as YAML)."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
+        raise ConfigError(f"--set {show(text)}: expected section.key=value, e.g. train.steps=20")
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if len(path) < 2:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. train.steps=20")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from None
+        raise ConfigError(f"--set {show(text)}: expected section.key=value, e.g. train.steps=20")
+    value = parse_yaml(raw, f"--set {show(text)}") if raw.strip() else None
     return path, value
 
 
@@ -146,7 +183,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any, what: str = "--set") 
     for part in path[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{what} {key!r}: '{part}' is not a section")
+            raise ConfigError(f"{what} {key!r}: {part!r} is not a section")
         node = child
     node[path[-1]] = value
 
@@ -168,40 +205,31 @@ def _deepcopy(data: Any) -> Any:
     return data
 
 
-class StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # yaml ships no stubs here
-    """``yaml.SafeLoader`` that refuses duplicate keys (YAML keeps the last one silently) and
-    aliases (``*name``: a few hundred bytes of nested aliases expand to gigabytes)."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.YAMLError(
-                f"aliases (*{event.anchor}) are not allowed in job files {event.start_mark}; "
-                "HINT: write the values out"
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.YAMLError(
-                    f"duplicate key {key!r} {key_node.start_mark}; HINT: keep one of them"
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a job YAML into plain data, with errors that name the file."""
     p = Path(path)
-    if not p.is_file():
+    try:
+        is_dir, is_file = p.is_dir(), p.is_file()
+    except OSError as exc:  # a name too long for the file system, a permission error
+        raise ConfigError(
+            f"{p}: cannot check the job file ({exc.strerror}); HINT: pass a YAML file such as "
+            "jobs/default.yaml"
+        ) from None
+    if is_dir:
+        raise ConfigError(f"{p} is a directory; HINT: pass a YAML file such as jobs/default.yaml")
+    if not is_file:
         raise ConfigError(f"{p}: job file not found; pass a YAML file such as jobs/default.yaml")
     try:
-        data = yaml.load(p.read_text(), Loader=StrictLoader)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        text = p.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"{p}: cannot read the job file ({exc.strerror}); HINT: check its permissions"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{p}: the job file is not UTF-8 text (byte {exc.start}); HINT: save it as UTF-8"
+        ) from None
+    data = parse_yaml(text, str(p))
     if data is None:
         raise ConfigError(
             f"{p}: the job file is empty; HINT: start from jobs/default.yaml (an empty file would "
@@ -214,5 +242,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     """Load a job YAML, apply ``section.key=value`` overrides, validate."""
-    data = apply_overrides(load_yaml(path), overrides or [])
+    try:
+        data = apply_overrides(load_yaml(path), overrides or [])
+    except ConfigError as exc:
+        raise ConfigError(with_hint(str(exc))) from None
     return from_dict(data, source=str(path))

@@ -10,6 +10,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from dynmo_hpc.config.bounds import (
+    MAX_CAPACITY_FACTOR,
+    MAX_EXPERTS,
+    MAX_LOSS_WEIGHT,
+    MAX_STEPS,
+    MAX_WIDTH,
+    at_most,
+)
 from dynmo_hpc.config.sections import ModelSection
 from dynmo_hpc.errors import ConfigError
 
@@ -74,6 +82,21 @@ class MoESection:
             raise ConfigError(f"schemes.moe.d_ff_expert={self.d_ff_expert} must be >= 1 or null")
         if self.aux_loss_weight < 0:
             raise ConfigError(f"schemes.moe.aux_loss_weight={self.aux_loss_weight} must be >= 0")
+        at_most("schemes.moe.num_experts", self.num_experts, MAX_EXPERTS, "a typo? try 8")
+        at_most(
+            "schemes.moe.capacity_factor",
+            self.capacity_factor,
+            MAX_CAPACITY_FACTOR,
+            "num_experts / top_k already fits every token; try 1.25",
+        )
+        if self.d_ff_expert is not None:
+            at_most("schemes.moe.d_ff_expert", self.d_ff_expert, MAX_WIDTH, "a typo? try 512")
+        at_most(
+            "schemes.moe.aux_loss_weight",
+            self.aux_loss_weight,
+            MAX_LOSS_WEIGHT,
+            "it would drown the language-model loss; try 0.01",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +147,11 @@ class PruningSection:
                 "or remove the pruning section"
             )
         if self.min_heads < 1 or self.min_neurons < 1:
-            raise ConfigError("schemes.pruning.min_heads and min_neurons must be >= 1")
+            raise ConfigError(
+                f"schemes.pruning.min_heads={self.min_heads}, min_neurons={self.min_neurons}: "
+                "both must be >= 1; HINT: a block keeps at least one head and one neuron"
+            )
+        at_most("schemes.pruning.end_step", self.end_step, MAX_STEPS, "a step index")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +179,8 @@ class FreezingSection:
             raise ConfigError(
                 f"schemes.freezing.max_layers_per_check={self.max_layers_per_check} must be >= 1"
             )
+        at_most("schemes.freezing.start_step", self.start_step, MAX_STEPS, "a step index")
+        at_most("schemes.freezing.interval_steps", self.interval_steps, MAX_STEPS, "a step count")
         if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
             raise ConfigError(
                 f"schemes.freezing.max_frozen_layers={self.max_frozen_layers} must be >= 0"
@@ -183,6 +212,7 @@ class SparseAttentionSection:
         densities = [self.density, *(self.layer_density or [])]
         if any(not 0.0 < d <= 1.0 for d in densities):
             raise ConfigError(f"schemes.sparse_attention densities {densities} must be in (0, 1]")
+        at_most("schemes.sparse_attention.drift_end_step", self.drift_end_step, MAX_STEPS, "a step")
         if self.drift_factor <= 0 or not 0 <= self.drift_start_step <= self.drift_end_step:
             raise ConfigError(
                 f"schemes.sparse_attention.drift_factor={self.drift_factor}, drift_start_step="
@@ -207,7 +237,17 @@ class EarlyExitSection:
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"schemes.early_exit.threshold={self.threshold} must be in [0, 1]")
         if self.start_step < 0 or self.exit_loss_weight < 0:
-            raise ConfigError("schemes.early_exit.start_step and exit_loss_weight must be >= 0")
+            raise ConfigError(
+                f"schemes.early_exit.start_step={self.start_step}, exit_loss_weight="
+                f"{self.exit_loss_weight}: both must be >= 0"
+            )
+        at_most("schemes.early_exit.start_step", self.start_step, MAX_STEPS, "a step index")
+        at_most(
+            "schemes.early_exit.exit_loss_weight",
+            self.exit_loss_weight,
+            MAX_LOSS_WEIGHT,
+            "it would drown the language-model loss; try 0.1",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dynmo_hpc.config.bounds import (
+    MAX_BATCH,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_THREADS_PER_RANK,
+    MAX_TIMEOUT_S,
+    MAX_WIDTH,
+    at_most,
+    in_range,
+    printable,
+)
 from dynmo_hpc.errors import ConfigError
 
 
@@ -35,6 +46,16 @@ class JobSection:
                 "control characters, not starting with '.'; HINT: the run directory is "
                 "<out_dir>/<name>, so '..' or '.' would write outside it"
             )
+        in_range(
+            "job.seed",
+            self.seed,
+            0,
+            MAX_SEED,
+            "numpy and torch take unsigned 32-bit seeds; pick one in that range, e.g. 1337",
+        )
+        printable("job.out_dir", self.out_dir)
+        if not self.out_dir.strip():
+            raise ConfigError("job.out_dir='' is empty; HINT: use runs (the default) or a path")
 
 
 MAX_BLOCKS = 100_000
@@ -75,6 +96,13 @@ class ModelSection:
             raise ConfigError(
                 f"model.num_blocks={self.num_blocks} > {MAX_BLOCKS}; HINT: a typo? GPT-3 has 96"
             )
+        for key in ("d_model", "d_ff", "seq_len", "vocab_size"):
+            at_most(
+                f"model.{key}",
+                getattr(self, key),
+                MAX_WIDTH,
+                "a typo? GPT-3's widest matrix is 49152",
+            )
         if self.d_model % self.num_heads:
             raise ConfigError(
                 f"model.d_model({self.d_model}) % model.num_heads({self.num_heads}) != 0; "
@@ -90,8 +118,28 @@ class ModelSection:
                     f"model.layer_d_ff has {len(self.layer_d_ff)} entries but "
                     f"model.num_blocks={self.num_blocks}; give one width per block"
                 )
-            if any(w < 1 for w in self.layer_d_ff):
-                raise ConfigError("model.layer_d_ff entries must be >= 1")
+            if any(not 1 <= w <= MAX_WIDTH for w in self.layer_d_ff):
+                raise ConfigError(
+                    f"model.layer_d_ff entries must be in [1, {MAX_WIDTH}]; HINT: give each "
+                    "block's feed-forward width, e.g. 512"
+                )
+
+    def layer_params(self) -> list[int]:
+        """Parameters of each layer at initialization (embedding, blocks, head), dense blocks.
+
+        Why: a lower bound for memory checks made before any rank builds the model
+        (``balance.capacity_bytes``); MoE experts only add to it.
+        """
+        d = self.d_model
+        embedding = (self.vocab_size + self.seq_len) * d
+        attention = 4 * d * d + 4 * d  # c_attn (3d x d + 3d) and c_proj (d x d + d)
+        norms = 4 * d  # two LayerNorms, weight and bias
+        blocks = [
+            attention + norms + 2 * d * self.block_d_ff(i) + self.block_d_ff(i) + d
+            for i in range(1, self.num_blocks + 1)
+        ]
+        head = d * self.vocab_size + 2 * d  # lm_head (no bias) and ln_f
+        return [embedding, *blocks, head]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +151,19 @@ class DataSection:
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
-        if self.path is not None and not Path(self.path).is_file():
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} must be in [0, 1); HINT: 0.1 holds out "
+                "the last 10 % of the text"
+            )
+        printable("data.path", self.path)
+        try:
+            missing = self.path is not None and not Path(self.path).is_file()
+        except OSError as exc:  # a name too long for the file system, a permission error
+            raise ConfigError(
+                f"data.path={self.path!r} cannot be checked ({exc.strerror}); HINT: give a UTF-8 "
+                "text file or null"
+            ) from None
+        if missing:
             raise ConfigError(
                 f"data.path={self.path!r} is not a file; give a UTF-8 text file or null"
             )
@@ -139,14 +198,31 @@ class TrainSection:
         for key in ("steps", "micro_batch_size", "num_microbatches", "log_interval"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+        at_most("train.steps", self.steps, MAX_STEPS, "a typo? that is years of training")
+        for key in ("micro_batch_size", "num_microbatches"):
+            at_most(f"train.{key}", getattr(self, key), MAX_BATCH, "a typo? try 8")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(
                 f"train.lr={self.lr}, train.min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0"
             )
+        at_most("train.lr", self.lr, 1.0, "AdamW diverges far below lr=1; try 1e-3")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("train.warmup_steps, weight_decay and grad_clip must be >= 0")
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps}, weight_decay={self.weight_decay}, "
+                f"grad_clip={self.grad_clip}: all must be >= 0"
+            )
+        at_most("train.warmup_steps", self.warmup_steps, MAX_STEPS, "a typo? try 5")
+        at_most(
+            "train.weight_decay",
+            self.weight_decay,
+            1.0,
+            "decoupled decay shrinks weights by lr * weight_decay per step; try 0.1",
+        )
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
+            raise ConfigError(
+                f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1); "
+                "HINT: AdamW's usual values are 0.9 and 0.95"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,8 +263,25 @@ class RuntimeSection:
     def validate(self) -> None:
         if self.threads_per_rank < 1:
             raise ConfigError(f"runtime.threads_per_rank={self.threads_per_rank} must be >= 1")
+        at_most(
+            "runtime.threads_per_rank",
+            self.threads_per_rank,
+            MAX_THREADS_PER_RANK,
+            "no node has that many cores; use the cores per rank, e.g. 4",
+        )
         if self.timeout_s <= 0:
             raise ConfigError(f"runtime.timeout_s={self.timeout_s} must be > 0")
+        at_most("runtime.timeout_s", self.timeout_s, MAX_TIMEOUT_S, "a year at most; in seconds")
+        printable("runtime.mpi_launcher", self.mpi_launcher)
+        if self.mpi_launcher is not None and not self.mpi_launcher.strip():
+            raise ConfigError(
+                "runtime.mpi_launcher='' is empty; HINT: give the path of mpiexec, or null for "
+                "the venv's"
+            )
+        if self.fail_at_step is not None:
+            in_range("runtime.fail_at_step", self.fail_at_step, 0, MAX_STEPS, "a step index")
+        if self.fail_rank < 0:
+            raise ConfigError(f"runtime.fail_rank={self.fail_rank} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +303,8 @@ class CheckpointSection:
     """Write one after the last step (a stop on SIGTERM/SIGUSR2 always writes one)."""
 
     def validate(self) -> None:
+        at_most("checkpoint.every_steps", self.every_steps, MAX_STEPS, "a typo? try 20")
+        at_most("checkpoint.keep", self.keep, 1000, "each kept checkpoint is a full copy; try 2")
         if self.every_steps < 0:
             raise ConfigError(
                 f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 turns it off)"
@@ -253,5 +348,23 @@ class BalanceSection:
             raise ConfigError(f"balance.smoothing={self.smoothing} must be in (0, 1]")
         if self.margin < 0:
             raise ConfigError(f"balance.margin={self.margin} must be >= 0")
+        at_most("balance.margin", self.margin, 1000.0, "a typo? 0.1 asks for a 10 % better plan")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ConfigError(f"balance.capacity_bytes={self.capacity_bytes} must be > 0 or null")
+
+    def validate_for(self, model: ModelSection) -> None:
+        """``capacity_bytes`` must hold the largest layer's weights (4-byte floats) at
+        initialization: the least any partition puts on a stage. Smaller is a unit mistake
+        (bytes, not MB or GB), and ``optimal`` would find no partition at the first report."""
+        if self.capacity_bytes is None:
+            return
+        params = model.layer_params()
+        largest = max(range(len(params)), key=params.__getitem__)
+        need_bytes = 4 * params[largest]
+        if self.capacity_bytes < need_bytes:
+            raise ConfigError(
+                f"balance.capacity_bytes={self.capacity_bytes:g} cannot hold layer {largest} "
+                f"({params[largest]} parameters = {need_bytes} bytes of float32 weights alone); "
+                "HINT: capacity_bytes is in bytes per stage (e.g. 4e9 for 4 GB), or null for "
+                "no cap"
+            )

@@ -8,11 +8,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dynmo_hpc.config.bounds import printable
 from dynmo_hpc.config.sections import PipelineSection
+from dynmo_hpc.config.slurm_time import MAX_TIME_MIN, slurm_time_minutes
 from dynmo_hpc.errors import ConfigError
 
 LAUNCHERS = ("auto", "srun", "mpirun")
 """How the manager starts the ranks in an allocation (see :mod:`dynmo_hpc.slurm.step`)."""
+
+MAX_NODES = 100_000
+"""More nodes than any cluster has."""
+MAX_PER_NODE = 1024
+"""Tasks or CPUs per node: more than any node has cores."""
+MAX_GPUS_PER_NODE = 64
+"""GPUs per node: more than any node holds."""
+MAX_MEM_GB = 1e6
+"""A petabyte per node: larger is a unit mistake (the key is in GB)."""
 
 _SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+@%:/=,-]+$")
 """What may appear in an ``#SBATCH`` value: sbatch does no shell quoting there."""
@@ -31,19 +42,21 @@ def sbatch_option_problems(p: Mapping[str, Any]) -> list[str]:
     """
     problems: list[str] = []
 
-    def need_int(name: str, minimum: int) -> None:
+    def need_int(name: str, minimum: int, maximum: int) -> None:
         value = p[name]
         if isinstance(value, bool) or not isinstance(value, int):
             problems.append(f"{name}={value!r} must be an integer")
         elif value < minimum:
             problems.append(f"{name}={value} must be >= {minimum}")
+        elif value > maximum:
+            problems.append(f"{name}={value} must be <= {maximum} (a typo?)")
 
-    need_int("nodes", 1)
-    need_int("tasks_per_node", 1)
-    need_int("cpus_per_task", 1)
-    need_int("gpus_per_node", 0)
-    need_int("time_min", 1)
-    need_int("signal_delay_s", 0)
+    need_int("nodes", 1, MAX_NODES)
+    need_int("tasks_per_node", 1, MAX_PER_NODE)
+    need_int("cpus_per_task", 1, MAX_PER_NODE)
+    need_int("gpus_per_node", 0, MAX_GPUS_PER_NODE)
+    need_int("time_min", 1, MAX_TIME_MIN)
+    need_int("signal_delay_s", 0, MAX_TIME_MIN * 60)
     if not problems and p["signal_delay_s"] >= p["time_min"] * 60:
         problems.append(
             f"signal_delay_s={p['signal_delay_s']} is not less than time_min*60="
@@ -56,14 +69,25 @@ def sbatch_option_problems(p: Mapping[str, Any]) -> list[str]:
         or not isinstance(mem_gb, int | float)
         or not math.isfinite(mem_gb)
         or mem_gb <= 0
+        or mem_gb > MAX_MEM_GB
     ):
-        problems.append(f"mem_gb={mem_gb!r} must be a positive number of GB (or None)")
+        problems.append(
+            f"mem_gb={mem_gb!r} must be a positive number of GB up to {MAX_MEM_GB:g} (or None); "
+            "e.g. 4 for --mem=4G"
+        )
     for name in ("partition", "account", "qos"):
         value = p[name]
-        if isinstance(value, str) and value and not _SAFE_WORD.match(value):
+        if isinstance(value, str) and not _SAFE_WORD.match(value):
             problems.append(
                 f"{name}={value!r} has characters sbatch cannot take in an #SBATCH line "
-                "(spaces, quotes, newlines); use letters, digits and _.+@%:/=,-"
+                "(spaces, quotes, newlines), or is empty; use letters, digits and _.+@%:/=,-, or "
+                "null for the default"
+            )
+    for name in ("venv", "conda_env"):
+        value = p[name]
+        if isinstance(value, str) and (not value.strip() or not value.isprintable()):
+            problems.append(
+                f"{name}={value!r} must be a non-empty path or name without control characters"
             )
     if p["venv"] and p["conda_env"]:
         problems.append(
@@ -78,8 +102,11 @@ def sbatch_option_problems(p: Mapping[str, Any]) -> list[str]:
         value = p[name]
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
             problems.append(f"{name}={value!r} must be a list of strings (not one string)")
-        elif any("\n" in v or not v.strip() for v in value):
-            problems.append(f"{name}={list(value)!r} has an empty entry or a newline")
+        elif any(not v.isprintable() or not v.strip() for v in value):
+            problems.append(
+                f"{name}={list(value)!r} has an empty entry or a newline (or another "
+                "control character): each entry is one line of the script"
+            )
     if not problems:
         for line in p["extra_sbatch"]:
             if not line.startswith("-"):
@@ -106,8 +133,9 @@ class SlurmSection:
     """``--gpus-per-node``; 0 leaves it out (CPU nodes)."""
     cpus_per_task: int = 1
     """``--cpus-per-task``; raise it with runtime.threads_per_rank."""
-    time_min: int = 30
-    """``--time`` in minutes; the job is killed after it."""
+    time_min: int | str = 30
+    """``--time``: whole minutes, or a SLURM time string ("MM:SS", "HH:MM:SS", "D-HH",
+    "D-HH:MM", "D-HH:MM:SS"; seconds round up to a minute); the job is killed after it."""
     partition: str | None = None
     """``--partition``; null = the cluster's default partition."""
     account: str | None = None
@@ -132,6 +160,13 @@ class SlurmSection:
     extra_sbatch: list[str] = field(default_factory=list)
     """More ``#SBATCH`` flags, verbatim, e.g. ``[--exclusive]``."""
 
+    @property
+    def time_minutes(self) -> int:
+        """``time_min`` in whole minutes (a SLURM time string parsed)."""
+        if isinstance(self.time_min, str):
+            return slurm_time_minutes(self.time_min)
+        return self.time_min
+
     def num_nodes(self, num_stages: int) -> int:
         """The node count to ask for: ``nodes``, or one node per pipeline stage."""
         return num_stages if self.nodes is None else self.nodes
@@ -148,7 +183,7 @@ class SlurmSection:
             "tasks_per_node": self.tasks_per_node,
             "gpus_per_node": self.gpus_per_node,
             "cpus_per_task": self.cpus_per_task,
-            "time_min": self.time_min,
+            "time_min": self.time_minutes,
             "partition": self.partition,
             "account": self.account,
             "qos": self.qos,
@@ -163,6 +198,8 @@ class SlurmSection:
         }
 
     def validate(self) -> None:
+        for name in ("partition", "account", "qos", "venv", "conda_env"):
+            printable(f"slurm.{name}", getattr(self, name))
         options = self.sbatch_options(num_stages=1)
         problems = sbatch_option_problems(options)
         if problems:

@@ -12,38 +12,19 @@ about 0.8 MB of English prose and code samples), so a fresh machine trains on re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dynmo_hpc.config import DataSection
+from dynmo_hpc.pipeline.corpus import default_corpus_text, read_corpus, split_sizes
 
-
-def default_corpus_text() -> str:
-    """CPython's bundled documentation topics, in a stable (sorted) order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
+__all__ = ["TextDataset", "default_corpus_text", "load_corpus_bytes"]
 
 
 def load_corpus_bytes(data: DataSection) -> np.ndarray:
-    """The corpus as a uint8 array of UTF-8 bytes."""
-    if data.path is None:
-        text = default_corpus_text()
-    else:
-        path = Path(data.path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"data.path={data.path!r} does not exist; give a UTF-8 text file or null"
-            ) from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(
-                f"data.path={data.path!r} is not UTF-8 text ({exc}); convert it or pick another"
-            ) from None
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+    """The corpus as a uint8 array of UTF-8 bytes (checked by :func:`corpus.read_corpus`)."""
+    return np.frombuffer(read_corpus(data.path), dtype=np.uint8).copy()
 
 
 @dataclass(frozen=True)
@@ -57,16 +38,8 @@ class TextDataset:
     @classmethod
     def from_config(cls, data: DataSection, seq_len: int) -> TextDataset:
         corpus = load_corpus_bytes(data)
-        num_val = int(len(corpus) * data.val_fraction)
-        train, val = corpus[: len(corpus) - num_val], corpus[len(corpus) - num_val :]
-        for name, split in (("train", train), ("validation", val)):
-            if len(split) and len(split) <= seq_len + 1:
-                raise ValueError(
-                    f"the {name} split has {len(split)} bytes but model.seq_len={seq_len} "
-                    "needs more; use a longer text file or a smaller seq_len"
-                )
-        if len(train) == 0:
-            raise ValueError("the training split is empty; lower data.val_fraction")
+        num_train, _ = split_sizes(len(corpus), data.val_fraction, seq_len)
+        train, val = corpus[:num_train], corpus[num_train:]
         return cls(train=train, val=val, seq_len=seq_len)
 
     def batch(

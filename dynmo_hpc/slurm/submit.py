@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.config.strict_yaml import parse_yaml
+from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
 from dynmo_hpc.slurm.requeue import ManagerJob, run_in_allocation
 from dynmo_hpc.slurm.scheduler import (
@@ -129,14 +129,10 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
             f"--sweep {text!r}: expected section.key=v1,v2,...; HINT: e.g. --sweep "
             "train.lr=1e-3,3e-3"
         )
-    try:
-        values = yaml.safe_load(f"[{raw}]")
-    except yaml.YAMLError as exc:
-        raise config_mod.ConfigError(
-            f"--sweep {text!r}: the values are not a valid YAML list ("
-            f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}); HINT: separate "
-            "values with commas, e.g. 1e-3,3e-3"
-        ) from None
+    # The job files' reader: no base-60 numbers (slurm.time_min=1:00:00,2:00:00), no aliases.
+    values = parse_yaml(
+        f"[{raw}]", f"--sweep {text!r}", hint="separate values with commas, e.g. 1e-3,3e-3"
+    )
     values = [float(v) if isinstance(v, str) and _FLOAT.match(v) else v for v in values]
     if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
         raise config_mod.ConfigError(
@@ -336,6 +332,8 @@ def submit(
     else:
         configs = [config_mod.from_dict(data, source=source)]
     configs = [resolve_for_cluster(c) for c in configs]
+    for cfg in configs:
+        preflight.check_job(cfg, for_slurm=True)
     params = [executor_parameters(c) for c in configs]
     for cfg, p in zip(configs[1:], params[1:], strict=True):
         differs = {k for k in p if k != "job_name" and p[k] != params[0].get(k)}
