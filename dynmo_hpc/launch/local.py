@@ -25,6 +25,7 @@ from typing import Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
+from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.rundir import claim_run_dir, lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
@@ -217,6 +218,7 @@ def run_local(
     new MPI steps (:func:`~dynmo_hpc.launch.supervisor.supervise`); ``timeout_s`` bounds all
     steps together.
     """
+    preflight.check_job(cfg)
     launcher = LocalMpiLauncher(cfg.runtime.mpi_launcher)
     with lock_run_dir(cfg.run_dir):
         if resume_from is None:

@@ -27,6 +27,7 @@ from types import FrameType
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.packing import nodes_for
 from dynmo_hpc.errors import ConfigError, LaunchError
+from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.local import LAUNCH_TIME_ENV, worker_argv
 from dynmo_hpc.launch.rundir import lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
@@ -126,6 +127,11 @@ def run_manager(
         )
     cfg = config_mod.load(config_path, overrides)
     slots = check_allocation(cfg)
+    # On the node itself: its data path, run directory and device (the submit host checked
+    # what it could see, which may be another machine).
+    preflight.check_data(cfg)
+    preflight.check_run_dir(cfg.run_dir)
+    preflight.check_local_device(cfg.runtime.device)
     launcher = launcher or os.environ.get("DYNMO_MPI_LAUNCHER", "auto")
     if loopback_only is None:
         loopback_only = os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
@@ -248,9 +254,29 @@ def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> 
     return StepResult(rc, step.tail(), interrupted=ActiveStep.stop_signal)
 
 
-def requeue(job_id: str) -> None:
-    """``scontrol requeue``: SLURM ends this run of the job and queues it again."""
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+def requeue(job_id: str | int) -> bool:
+    """``scontrol requeue``: SLURM ends this run of the job and queues it again; False (logged)
+    when SLURM refused (e.g. a job submitted with ``--no-requeue``)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "requeue", str(job_id)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("cannot requeue job %s: %s", job_id, exc)
+        return False
+    if out.returncode != 0:
+        log.error(
+            "scontrol requeue %s failed: %s; HINT: submit the job again; it resumes from its "
+            "newest checkpoint (dynmo-hpc sbatch/submit ... --set ... and --resume locally)",
+            job_id,
+            (out.stderr or out.stdout).strip(),
+        )
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         # run again from there (the template asks for --requeue).
         job_id = read_slurm_env().job_id
         log.warning("requeueing job %s; it will resume from its newest checkpoint", job_id)
-        requeue(job_id)
-        return 0
+        return 0 if requeue(job_id) else 1
     return outcome.exit_code
 
 

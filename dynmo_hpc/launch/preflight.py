@@ -5,8 +5,10 @@ cannot know that ``data.path`` is a binary file, that this machine has no GPU, o
 ``<run_dir>/checkpoint`` is a stray file. Found on the ranks, each of these costs a launch (on
 SLURM, a queue wait) and ends as a traceback per rank; found here it is one ``error:`` line.
 
-:func:`check_job` is called by ``dynmo-hpc run`` (before ``launch_local``), by ``dynmo-hpc
-sbatch`` and by :func:`dynmo_hpc.slurm.submit.submit` (with ``for_slurm=True``). torch is only
+:func:`check_job` is called by :func:`dynmo_hpc.launch.local.run_local` (``dynmo-hpc run``),
+by ``dynmo-hpc sbatch --submit`` and by :func:`dynmo_hpc.slurm.submit.submit` (with
+``for_slurm=True``); the SLURM manager repeats the data, run-directory and device checks on
+the node. torch is only
 imported when ``runtime.device`` is ``cuda`` on a local run, so the SLURM commands stay light.
 """
 

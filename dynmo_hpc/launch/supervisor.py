@@ -144,9 +144,8 @@ def supervise(
             cfg, resume_from = _resize(cfg, request, shrink), Path(request["checkpoint"])
             restart_fresh = False
             continue
-        failure = describe_failure(
-            result.exit_code, result.output_tail, rank_status.read_all(cfg.run_dir)
-        )
+        statuses = rank_status.read_all(cfg.run_dir)
+        failure = describe_failure(result.exit_code, result.output_tail, statuses)
         log.error("the MPI step failed: %s", failure.describe())
         repeated = failure.same_as(failures[-1] if failures else None)
         failures.append(failure)
@@ -155,9 +154,13 @@ def supervise(
             _add_pending(cfg.run_dir, {**record, "restarted": False})
             why = f"fault.max_restarts={cfg.fault.max_restarts} restarts used"
             return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
+        why = ""
         if repeated:
-            _add_pending(cfg.run_dir, {**record, "restarted": False})
             why = "it failed the same way at the same step twice in a row"
+        elif not statuses:
+            why = "no rank started, so a restart would fail the same way"
+        if why:
+            _add_pending(cfg.run_dir, {**record, "restarted": False})
             return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
         restarts += 1
         resume_from = newest_checkpoint(cfg.run_dir)
