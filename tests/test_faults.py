@@ -37,6 +37,7 @@ COMMON = [
     "checkpoint.every_steps=2",
     "balance.algorithm=optimal",
     "balance.force_moves=true",  # a migration at every load report (steps 1, 3, 5)
+    "model.d_ff=1024",  # MLP weights over 64 KB: they travel as checksummed chunks
 ]
 
 

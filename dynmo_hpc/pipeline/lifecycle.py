@@ -140,8 +140,10 @@ class FaultPoints:
             return
         if step < f.inject_step:
             return
-        if f.inject_action == "corrupt":
-            if chunk is not None and chunk.size:
+        if (f.inject_action == "corrupt") != (chunk is not None):
+            return  # a corruption needs a received chunk; a crash strikes before the exchange
+        if chunk is not None:
+            if chunk.size:
                 self.armed = False
                 chunk.view(np.uint8).reshape(-1)[0] ^= 0xFF
                 log.warning("fault injection: rank %d damaged a received chunk", self.rank)
