@@ -52,6 +52,8 @@ SUPERSEDED_COLUMN = "superseded"
 that step); 0 on the authoritative rows. Only the step-keyed tables carry it; events are history
 and are never superseded."""
 
+V2_COLUMNS = (SEGMENT_COLUMN, SUPERSEDED_COLUMN)
+"""Columns that schema version 1 files lack (readers add them as zeros)."""
 STEP_KEYED_TABLES = ("steps", "stage_times", "layer_costs", "partitions")
 """Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 

@@ -93,6 +93,7 @@ def _create_tables(f: h5py.File) -> None:
             maxshape=(None,),
             chunks=(spec.chunk_rows,),
             dtype=spec.dtype,
+            fletcher32=True,
         )
     f.create_dataset(
         schema.EVENT_DETAIL,
@@ -100,6 +101,7 @@ def _create_tables(f: h5py.File) -> None:
         maxshape=(None,),
         chunks=(schema.EVENT_DETAIL_CHUNK_BYTES,),
         dtype=np.uint8,
+        fletcher32=True,
     )
 
 
