@@ -258,6 +258,12 @@ def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
             f"1..{schema.SCHEMA_VERSION}; HINT: read it with the dynmo_hpc version that "
             "wrote it (root attribute package_version)"
         )
+    stored_crc = attrs.get(schema.ATTRS_CRC_ATTR)
+    if stored_crc is not None and stored_crc != schema.attrs_crc32(attrs):
+        raise RunLogError(
+            f"{path}: its root attributes (config_yaml, versions, meta) fail their CRC-32 check "
+            f"(corrupt bytes); {DAMAGED_HINT}"
+        )
     for spec in schema.TABLES:
         ds = f.get(spec.name)
         fields = getattr(getattr(ds, "dtype", None), "names", None) or ()
@@ -319,6 +325,8 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
             events = _events(f, path)
         except (OSError, KeyError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "filter returned failure" in reason:  # the only filter is Fletcher-32
+                reason = "a table's data fail their Fletcher-32 checksum: corrupt bytes"
             raise RunLogError(f"{path}: HDF5 cannot read it ({reason}); {DAMAGED_HINT}") from None
     superseded = {}
     for name in schema.STEP_KEYED_TABLES:

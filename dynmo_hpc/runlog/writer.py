@@ -241,6 +241,7 @@ class RunLogWriter:
                 _create_tables(f)
             for key, value in attrs.items():
                 f.attrs[key] = value
+            f.attrs[schema.ATTRS_CRC_ATTR] = schema.attrs_crc32(attrs)
             f.swmr_mode = True
             os.replace(tmp, self.path)
         except BaseException:
