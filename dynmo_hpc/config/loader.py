@@ -114,13 +114,34 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     """Build and validate a :class:`JobConfig`; errors are prefixed with ``source``."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    cfg: JobConfig = _build(JobConfig, data, "", source)
+        raise ConfigError(f"{source}: the top level must be a mapping of sections; {KEYS_HINT}")
+    try:
+        cfg: JobConfig = _build(JobConfig, data, "", source)
+    except ConfigError as exc:
+        raise ConfigError(_with_hint(str(exc))) from None
     try:
         cfg.validate()
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(_with_hint(f"{source}: {exc}")) from None
     return cfg
+
+
+KEYS_HINT = "HINT: jobs/default.yaml lists every section and key with its type"
+
+
+def _with_hint(message: str) -> str:
+    """One line ending with a HINT: every ``error:`` the CLI prints says how to fix it."""
+    line = " ".join(message.split())
+    return line if "HINT:" in line else f"{line}; {KEYS_HINT}"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what and where (PyYAML's own text spans several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        what = exc.problem or exc.context or "syntax error"
+        return f"{what} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -199,16 +220,29 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{p}: job file not found; pass a YAML file such as jobs/default.yaml")
     try:
-        data = yaml.load(p.read_text(), Loader=StrictLoader)
+        text = p.read_bytes().decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{p}: not a text file (byte {exc.start} is not UTF-8); HINT: a job file is YAML "
+            "text, start from jobs/default.yaml"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        raise ConfigError(
+            _with_hint(f"{p}: not valid YAML: {_yaml_problem(exc)}").replace(
+                KEYS_HINT, "HINT: fix the YAML there (jobs/default.yaml shows the layout)"
+            )
+        ) from None
     if data is None:
         raise ConfigError(
             f"{p}: the job file is empty; HINT: start from jobs/default.yaml (an empty file would "
             "silently train the built-in defaults)"
         )
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections (job:, model:, ...)")
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of sections (job:, model:, ...); {KEYS_HINT}"
+        )
     return data
 
 
