@@ -13,6 +13,8 @@ network endpoints) is unsafe; ranks check files with the cheap, in-process prech
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import pickle
 import select
@@ -44,6 +46,9 @@ class IsolatedCrash(Exception):
 def _child(fn: Callable[..., Any], args: tuple[Any, ...], write_fd: int) -> None:
     """Run ``fn`` and send ``("ok", result)``, ``("error", DynmoError)`` or ``("crash", ...)``."""
     code = 0
+    # The parent reports a crash in one line; Python's fault handler (pytest enables it) would
+    # dump the child's stacks on top.
+    faulthandler.disable()
     try:
         try:
             outcome: tuple[str, Any] = ("ok", fn(*args))
@@ -62,10 +67,8 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], write_fd: int) -> None
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     os.waitpid(pid, 0)
 
 

@@ -264,8 +264,14 @@ def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
             f"{path}: its root attributes (config_yaml, versions, meta) fail their CRC-32 check "
             f"(corrupt bytes); {DAMAGED_HINT}"
         )
+    linked = set(f.keys())  # link names only: opening each object is what can fail
     for spec in schema.TABLES:
         ds = f.get(spec.name)
+        if spec.name in linked and ds is None:  # h5py's get() hides why it could not open it
+            raise RunLogError(
+                f"{path}: its table /{spec.name} cannot be opened (damaged metadata); "
+                f"{DAMAGED_HINT}"
+            )
         fields = getattr(getattr(ds, "dtype", None), "names", None) or ()
         wanted = [n for n in spec.dtype.names or () if n not in schema.V2_COLUMNS]
         if not isinstance(ds, h5py.Dataset) or not set(wanted) <= set(fields):
