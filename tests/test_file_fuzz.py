@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -305,6 +306,64 @@ def test_bad_config_yaml_through_the_cli(tmp_path: Path) -> None:
     _set_attrs(path, config_yaml="job: {name: [\n")
     last = _assert_clean_failure(_cli("report", str(path), "--out", str(tmp_path / "r")))
     assert "config_yaml attribute is not valid YAML" in last
+
+
+def test_the_writer_refuses_to_append_to_a_damaged_run_log(tmp_path: Path) -> None:
+    """Rank 0 on resume: no fork there, so the precheck and a non-SWMR open must do."""
+    data = _small_run_log(tmp_path / "good.h5").read_bytes()
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["x"] = 1
+    foreign = (tmp_path / "foreign.h5").read_bytes()
+    cases = {
+        "half": (data[: len(data) // 2], "is truncated"),
+        "kib": (data[:1024], "is truncated"),
+        "superblock": (_flip(data, 20, 1), "superblock fails its checksum"),
+        "metadata": (_flip(data, 300, 3), "cannot"),
+        "foreign": (foreign, "not a dynmo_hpc run log"),
+        "text": (b"hello", "not an HDF5 file"),
+    }
+    for case, (content, problem) in cases.items():
+        path = tmp_path / case / "run.h5"
+        path.parent.mkdir()
+        path.write_bytes(content)
+        t0 = time.monotonic()
+        with pytest.raises(RunLogError, match="HINT:") as info:
+            RunLogWriter(path, config_yaml="", meta={}, resume=True)
+        assert problem in str(info.value), (case, str(info.value))
+        assert time.monotonic() - t0 < 2.0, case
+        assert sorted(p.name for p in path.parent.iterdir()) == ["run.h5"], case  # no temp file
+        assert path.read_bytes() == content, case  # left as it was
+
+
+def test_ctrl_c_stops_a_report_stuck_on_a_damaged_file(tmp_path: Path) -> None:
+    """The parent waits on a pipe, so SIGINT gets through even while the HDF5 child loops."""
+    path = _small_run_log(tmp_path / "run.h5")
+    killed = bytearray(_mark_open_for_write(path.read_bytes()))
+    for position in range(300, 340):  # an object header: SWMR retries its checksum at length
+        killed[position] ^= 0xFF
+    path.write_bytes(bytes(killed))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynmo_hpc", "report", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline and not children.read_text().strip():
+        time.sleep(0.1)  # until the reading child is forked: past the imports, into the read
+    time.sleep(0.5)
+    assert proc.poll() is None, "the damaged file should keep the reader busy (SWMR retries)"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert time.monotonic() - t0 < 3.0
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
 
 
 # -- the isolated reader itself -----------------------------------------------------------------
