@@ -34,7 +34,7 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.errors import CheckpointError, ConfigError, RunLogError
 from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
 from dynmo_hpc.pipeline import checkpoint
-from dynmo_hpc.runlog import RunLog, RunLogWriter, load, precheck, schema
+from dynmo_hpc.runlog import RunLog, RunLogWriter, load, precheck, reader, schema
 from dynmo_hpc.runlog.report import summarize
 from tests.helpers.jobs import ROOT, run_job, tiny_config
 
@@ -185,6 +185,8 @@ def test_a_killed_writers_file_with_damaged_metadata_is_stopped_by_the_timeout(
     path = tmp_path / "killed.h5"
     path.write_bytes(killed)
     assert _same_run_log(load(path), real_run["original"])  # intact: read with SWMR
+    # A writer that reopened the file between the precheck and the open: retried with SWMR.
+    assert _same_run_log(reader._read(path, False, False), real_run["original"])
     rng = random.Random(7)
     stopped = 0
     for _ in range(3):

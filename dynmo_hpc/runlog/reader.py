@@ -234,11 +234,14 @@ def _open_in_this_process(path: Path) -> bool:
 
 
 def _open(path: Path, swmr: bool) -> h5py.File:
+    """Open read-only; SWMR only for a file a writer holds (or held when it was killed)."""
     try:
         return h5py.File(path, "r", swmr=swmr, locking="best-effort")
     except OSError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RunLogError(f"{path}: HDF5 cannot open it ({reason}); {DAMAGED_HINT}") from None
+    if not swmr and "open for write" in reason:  # a writer reopened it since the precheck
+        return _open(path, swmr=True)
+    raise RunLogError(f"{path}: HDF5 cannot open it ({reason}); {DAMAGED_HINT}")
 
 
 def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
