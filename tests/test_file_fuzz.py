@@ -281,7 +281,7 @@ def _set_attrs(path: Path, **attrs: Any) -> None:
         ("- job\n- model\n", "it is not a mapping"),
         ("just some words", "it is not a mapping"),
         ("job: 5\n", "has section 'job' that is not a mapping"),
-        (7, "is a int, not text"),
+        (7, "is of type int, not text"),
     ],
 )
 def test_bad_config_yaml_attribute_is_a_clear_error(
@@ -514,7 +514,7 @@ def test_run_state_with_wrong_types_is_refused(real_run: dict[str, Any], tmp_pat
     for case, content in bad.items():
         _forge(newest, checkpoint.RUN_STATE, content)
         assert checkpoint.verify(newest) is None, case  # the manifest agrees: forged
-        with pytest.raises(CheckpointError, match=r"run_state\.json cannot be resumed from.*HINT"):
+        with pytest.raises(CheckpointError, match=r"cannot be resumed from: run_state\.json.*HINT"):
             checkpoint.read_run_state(newest)
 
 
@@ -526,7 +526,9 @@ def test_layer_file_that_passes_its_crc_but_is_no_layer(
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
     _forge(newest, "layer_0001.pt", random.Random(1).randbytes(5000))
-    with pytest.raises(CheckpointError, match=r"layer_0001\.pt cannot be read.*HINT"):
+    with pytest.raises(
+        CheckpointError, match=r"layer_0001\.pt cannot be read as a torch file.*HINT"
+    ):
         checkpoint.load_layer(newest, 1)
     other = root.parent / "other.pt"
     torch.save({"format": 1, "index": 3, "module": {}, "optimizer": {}}, other)

@@ -338,10 +338,11 @@ def read_run_state(directory: Path) -> dict[str, Any]:
         CheckpointError: the file is unreadable, not JSON, or lacks what a resume needs.
     """
     state, problem = _read_json(directory / RUN_STATE)
-    problem = problem or _run_state_problem(state, directory)
+    if problem is None and (wrong := _run_state_problem(state, directory)) is not None:
+        problem = f"{RUN_STATE}: {wrong}"
     if problem is not None:
         raise CheckpointError(
-            f"{directory / RUN_STATE} cannot be resumed from: {problem}; HINT: resume from an "
+            f"checkpoint {directory} cannot be resumed from: {problem}; HINT: resume from an "
             "earlier checkpoint (pass its checkpoint/step_<n> directory to --resume)"
         )
     checked: dict[str, Any] = state
@@ -364,9 +365,10 @@ def load_layer(directory: Path, index: int) -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged zip/pickle
+        first = str(exc).split(". ")[0].splitlines()[0][:120] if str(exc) else ""
         raise CheckpointError(
-            f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); HINT: resume from "
-            "an earlier checkpoint"
+            f"{path} cannot be read as a torch file ({type(exc).__name__}: {first}); HINT: "
+            "resume from an earlier checkpoint"
         ) from None
     if (
         not isinstance(payload, dict)

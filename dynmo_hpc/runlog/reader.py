@@ -293,7 +293,7 @@ def _parse_config(path: Path, text: Any) -> dict[str, Any]:
     """The job config from the ``config_yaml`` attribute: a mapping of sections, or empty."""
     if not isinstance(text, str):
         raise RunLogError(
-            f"{path}: the config_yaml attribute is a {type(text).__name__}, not text; "
+            f"{path}: the config_yaml attribute is of type {type(text).__name__}, not text; "
             f"{DAMAGED_HINT}"
         )
     try:
