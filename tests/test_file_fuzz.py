@@ -45,17 +45,17 @@ LOAD_LIMIT_S = 5.0
 FLIPS_PER_REGION = {"superblock": 12, "metadata": 60, "data": 40}
 
 
+def needs_a_run(test: Any) -> Any:
+    """Marks a test that uses :func:`real_run` (a 2-rank training job)."""
+    return pytest.mark.mpi(pytest.mark.slow(test))
+
+
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A real 2-stage run with checkpoints step_2 and step_4, its run log loaded once."""
     out = tmp_path_factory.mktemp("fuzz")
-    cfg = tiny_config(
-        out,
-        "pipeline.num_stages=2",
-        "checkpoint.every_steps=2",
-        "checkpoint.at_end=true",
-        "checkpoint.keep=3",
-    )
+    checkpoints = ["checkpoint.every_steps=2", "checkpoint.at_end=true", "checkpoint.keep=3"]
+    cfg = tiny_config(out, "pipeline.num_stages=2", *checkpoints)
     run_job(cfg)
     run_log = cfg.run_dir / "run.h5"
     original = load(run_log)
@@ -70,13 +70,14 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+def _cli_env() -> dict[str, str]:
+    """This checkout first on the path (the venv's editable install may point elsewhere)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "DYNMO_LOG_LEVEL": "WARNING"}
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m dynmo_hpc ARGS`` with this checkout first on the path; fails on a hang."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "DYNMO_LOG_LEVEL": "WARNING",
-    }
+    """``python -m dynmo_hpc ARGS``; fails the test on a hang."""
     try:
         return subprocess.run(
             [sys.executable, "-m", "dynmo_hpc", *args],
@@ -84,7 +85,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
             text=True,
             timeout=CLI_TIMEOUT_S,
             cwd=ROOT,
-            env=env,
+            env=_cli_env(),
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"dynmo-hpc {' '.join(args)} hung (over {CLI_TIMEOUT_S:g} s)")
@@ -133,8 +134,7 @@ def _load_outcome(path: Path, original: RunLog) -> str:
 # -- run.h5 -----------------------------------------------------------------------------------
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_truncated_run_logs_are_refused_at_once(real_run: dict[str, Any], tmp_path: Path) -> None:
     data = real_run["bytes"]
     for length in (0, 1, 8, 47, 48, 100, 1024, len(data) // 2, len(data) - 1):
@@ -146,8 +146,7 @@ def test_truncated_run_logs_are_refused_at_once(real_run: dict[str, Any], tmp_pa
         assert time.monotonic() - t0 < 1.0, f"truncated to {length} bytes: slow"
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_bit_flipped_run_logs_fail_or_load_identical(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -175,8 +174,7 @@ def _mark_open_for_write(data: bytes) -> bytes:
     return bytes(out)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_a_killed_writers_file_with_damaged_metadata_is_stopped_by_the_timeout(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -200,8 +198,7 @@ def test_a_killed_writers_file_with_damaged_metadata_is_stopped_by_the_timeout(
     assert stopped >= 1, "expected at least one SWMR retry loop to be cut by the timeout"
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_report_cli_on_damaged_run_logs(real_run: dict[str, Any], tmp_path: Path) -> None:
     data = real_run["bytes"]
     cases = {
@@ -235,17 +232,9 @@ def test_report_cli_on_damaged_run_logs(real_run: dict[str, Any], tmp_path: Path
 
 
 def _small_run_log(path: Path, config_yaml: str = "job:\n  name: small\n") -> Path:
+    row = {"step": 0, "loss": 1.0, "step_time_s": 0.1, "tokens_per_s": 1e3, "lr": 1e-3}
     with RunLogWriter(path, config_yaml=config_yaml, meta={}) as w:
-        w.log_step(
-            step=0,
-            loss=1.0,
-            step_time_s=0.1,
-            tokens_per_s=1e3,
-            lr=1e-3,
-            num_stages=1,
-            num_ranks=1,
-            num_nodes=1,
-        )
+        w.log_step(**row, num_stages=1, num_ranks=1, num_nodes=1)
     return path
 
 
@@ -344,16 +333,12 @@ def test_ctrl_c_stops_a_report_stuck_on_a_damaged_file(tmp_path: Path) -> None:
     for position in range(300, 340):  # an object header: SWMR retries its checksum at length
         killed[position] ^= 0xFF
     path.write_bytes(bytes(killed))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynmo_hpc", "report", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=_cli_env(),
     )
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 20.0
@@ -428,8 +413,7 @@ def _damage_cases(data: bytes, rng: random.Random, flips: int) -> list[tuple[str
     return cases
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 @pytest.mark.parametrize("name", ["manifest.json", "run_state.json", "layer_0001.pt"])
 def test_damaged_checkpoint_files_are_refused_and_the_previous_one_used(
     real_run: dict[str, Any], tmp_path: Path, name: str
@@ -458,30 +442,22 @@ def _forge(directory: Path, name: str, content: bytes) -> None:
     (directory / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_manifest_with_wrong_types_or_names_is_refused(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
     good = json.loads((newest / checkpoint.MANIFEST).read_text())
+    files = good["files"]
+    fake = {"bytes": 1, "crc32": 1}
     bad = {
         "list": ([], "not a JSON object"),
         "no files": ({"format": 1}, "no 'files' object"),
         "files list": ({**good, "files": ["run_state.json"]}, "no 'files' object"),
-        "string bytes": (
-            {**good, "files": {**good["files"], "run_state.json": {"bytes": "9", "crc32": 1}}},
-            "no integer bytes and crc32",
-        ),
-        "escape": (
-            {**good, "files": {**good["files"], "../x": {"bytes": 1, "crc32": 1}}},
-            "'../x'",
-        ),
-        "gap": (
-            {**good, "files": {k: v for k, v in good["files"].items() if k != "layer_0002.pt"}},
-            "not 0..4",
-        ),
+        "text bytes": ({**good, "files": {**files, "run_state.json": {"bytes": "9"}}}, "integer"),
+        "escape": ({**good, "files": {**files, "../x": fake}}, "'../x'"),
+        "gap": ({**good, "files": {k: v for k, v in files.items() if "2" not in k}}, "not 0..4"),
         "step": ({**good, "step": 7}, "for step 7"),
         "format": ({**good, "format": 99}, "format 99"),
     }
@@ -492,8 +468,7 @@ def test_manifest_with_wrong_types_or_names_is_refused(
         assert problem in str(info.value), (case, str(info.value))
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_run_state_with_wrong_types_is_refused(real_run: dict[str, Any], tmp_path: Path) -> None:
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
@@ -518,8 +493,7 @@ def test_run_state_with_wrong_types_is_refused(real_run: dict[str, Any], tmp_pat
             checkpoint.read_run_state(newest)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_layer_file_that_passes_its_crc_but_is_no_layer(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -537,8 +511,7 @@ def test_layer_file_that_passes_its_crc_but_is_no_layer(
         checkpoint.load_layer(newest, 1)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_latest_pointer_damage_is_reported_and_scanning_decides(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -564,8 +537,7 @@ def test_latest_pointer_damage_is_reported_and_scanning_decides(
         checkpoint.resolve(tmp_path / "nowhere")
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
+@needs_a_run
 def test_resume_cli_refuses_damage_before_any_rank_starts(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
