@@ -27,3 +27,7 @@ class SubmitError(LaunchError):
 
 class CheckpointError(DynmoError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or incompatible with the job."""
+
+
+class RunLogError(DynmoError, ValueError):
+    """A run log is missing, damaged, not a dynmo_hpc run log, or unreadable by this version."""

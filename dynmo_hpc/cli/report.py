@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.runlog.report import DEFAULT_WINDOW_STEPS, write_report
 
 
@@ -43,8 +44,13 @@ def run(args: argparse.Namespace) -> int:
     path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
     try:
         result = write_report(path, args.out, window_steps=args.window_steps)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        print(f"dynmo-hpc report: {exc}", file=sys.stderr)
+    except DynmoError:
+        raise  # the CLI prints it as one ``error:`` line
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the output directory cannot be written
+        print(f"error: {exc}; HINT: choose a writable --out directory", file=sys.stderr)
         return 2
     print(result.summary, end="")
     print(f"summary: {result.summary_path}")

@@ -236,7 +236,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             "silently train the built-in defaults)"
         )
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections (job:, model:, ...)")
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of sections (job:, model:, ...); HINT: "
+            "jobs/default.yaml lists every section and key with its type"
+        )
     return data
 
 

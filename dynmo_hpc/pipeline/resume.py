@@ -60,7 +60,46 @@ def config_sha256(cfg: JobConfig) -> str:
 
 
 def check_compatible(cfg: JobConfig, state: dict[str, Any], where: Path) -> None:
+    """Refuse a checkpoint whose model, schemes, data or seed differ from the job's, and a run
+    whose run log the resumed run could not append to.
+
+    Called by the launcher before any rank starts (``dynmo-hpc run --resume``), so a damaged
+    ``run.h5`` is reported there, in one line, instead of by rank 0 after the ranks started.
+    """
+    check_identity(cfg, state, where)
+    check_run_log(cfg.run_dir / "run.h5")
+
+
+def check_run_log(path: Path) -> None:
+    """Refuse a run log that a resumed run could not append to (damaged, foreign, unreadable).
+
+    Reads it fully in a forked child (:func:`dynmo_hpc.runlog.load`), so never call it on an
+    MPI rank; rank 0's writer does the cheap superblock check itself. No file: nothing to check,
+    the resumed run starts a new run log.
+    """
+    if not path.is_file():
+        return
+    from dynmo_hpc.errors import RunLogError
+    from dynmo_hpc.runlog.reader import load
+
+    try:
+        load(path)
+    except RunLogError as exc:
+        reason = str(exc).split("; HINT:")[0]
+        raise RunLogError(
+            f"cannot resume: the run log the resumed run appends to is unusable ({reason}); "
+            f"HINT: move {path} aside (the resumed run then starts a new run "
+            "log) or restore it from a backup"
+        ) from None
+
+
+def check_identity(cfg: JobConfig, state: dict[str, Any], where: Path) -> None:
     """Refuse a checkpoint whose model, schemes, data or seed differ from the job's."""
+    if state["parts"][-1] != cfg.model.num_layers:
+        raise CheckpointError(
+            f"checkpoint {where} holds {state['parts'][-1]} layers, the job has "
+            f"{cfg.model.num_layers}; HINT: resume with the job file that wrote it"
+        )
     differing = checkpoint.incompatible_keys(state.get("identity", {}), identity(cfg))
     if differing:
         saved = state.get("identity", {})
@@ -120,8 +159,15 @@ def restore_layers(
     slots: list[LayerSlot] = []
     for index in range(stage.parts[stage.stage], stage.parts[stage.stage + 1]):
         payload = checkpoint.load_layer(directory, index)
-        module = restore_layer(cfg, index, payload["module"])
-        checkpoint.restore_counters(module, payload.get("counters", {}))
+        try:
+            module = restore_layer(cfg, index, payload["module"])
+            checkpoint.restore_counters(module, payload.get("counters", {}))
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{directory / checkpoint.layer_name(index)}: the saved layer does not fit the "
+                f"model ({type(exc).__name__}: {str(exc)[:200]}); HINT: resume from an earlier "
+                "checkpoint"
+            ) from None
         slot = stage.make_slot(index, module)
         try:
             slot.optimizer.load_state_dict(payload["optimizer"])
@@ -186,5 +232,5 @@ def checked_resume_dir(cfg: JobConfig, path: Path) -> tuple[Path, dict[str, Any]
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be resumed from: {problem}")
     state = checkpoint.read_run_state(path)
-    check_compatible(cfg, state, path)
+    check_identity(cfg, state, path)  # the run log was checked by the launcher (no fork here)
     return path, state

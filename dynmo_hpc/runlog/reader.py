@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,17 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from dynmo_hpc.runlog import schema
+from dynmo_hpc.errors import RunLogError
+from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
+from dynmo_hpc.runlog import precheck, schema
 
 log = logging.getLogger(__name__)
+
+READ_BASE_TIMEOUT_S = 10.0
+READ_BYTES_PER_S = 20e6
+"""With READ_BASE_TIMEOUT_S: see :func:`read_timeout_s`."""
+DAMAGED_HINT = "HINT: the file is damaged; restore it from a backup or rerun the job"
+FOREIGN_HINT = "HINT: pass the run.h5 that `dynmo-hpc run` wrote (runs/<job>/run.h5)"
 
 
 @dataclass(frozen=True)
@@ -112,22 +121,37 @@ def _py(value: Any) -> Any:
     return value
 
 
-def _events(f: h5py.File) -> pd.DataFrame:
+def _events(f: h5py.File, path: Path) -> pd.DataFrame:
     rows = f[schema.EVENTS.name][()]
     has_segment = schema.SEGMENT_COLUMN in (rows.dtype.names or ())
     blob = f[schema.EVENT_DETAIL][()].tobytes()
     records = []
     for row in rows:
         start, length = int(row["detail_offset"]), int(row["detail_len"])
-        if start + length > len(blob):  # cannot happen with the writer's ordering; be safe
+        if start < 0 or length < 0 or start + length > len(blob):
+            # a live file's event whose detail is not flushed yet (cannot happen with the
+            # writer's ordering), or damaged offsets: the row is skipped, not trusted
             log.warning("event at step %d: detail not yet written, skipped", row["step"])
             continue
+        try:
+            kind = row["kind"].decode()
+            detail = json.loads(blob[start : start + length])
+        except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+            raise RunLogError(
+                f"{path}: the event at step {int(row['step'])} has an unreadable kind or detail "
+                f"({type(exc).__name__}); {DAMAGED_HINT}"
+            ) from None
+        if not isinstance(detail, dict):
+            raise RunLogError(
+                f"{path}: the event at step {int(row['step'])} has a detail that is not a JSON "
+                f"object; {DAMAGED_HINT}"
+            )
         records.append(
             {
                 "step": int(row["step"]),
                 "wall_s": float(row["wall_s"]),
-                "kind": row["kind"].decode(),
-                "detail": json.loads(blob[start : start + length]),
+                "kind": kind,
+                "detail": detail,
                 "segment": int(row[schema.SEGMENT_COLUMN]) if has_segment else 0,
             }
         )
@@ -152,37 +176,174 @@ def _split_superseded(
     return table[~redone].reset_index(drop=True), superseded
 
 
-def load(path: str | Path, *, include_superseded: bool = False) -> RunLog:
+def load(
+    path: str | Path, *, include_superseded: bool = False, timeout_s: float | None = None
+) -> RunLog:
     """Read a run log (finished, live or crashed) into a :class:`RunLog`.
 
     ``include_superseded=True`` keeps the rows of redone steps in the tables too (their
     ``superseded`` column is 1); by default they are only in :attr:`RunLog.superseded`.
+
+    Why so guarded: a damaged file can make the HDF5 library loop (see
+    :mod:`~dynmo_hpc.runlog.precheck`), so the superblock is checked first and the file is read
+    in a forked child that is killed after ``timeout_s`` (default: :func:`read_timeout_s`). A file
+    this process itself is writing is read in-process: it is not foreign, and a forked child
+    must not touch the writer's HDF5 state.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        RunLogError: the file is damaged, not a run log, or of a newer schema.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no run log; HINT: runs write runs/<job>/run.h5")
-    with h5py.File(path, "r", swmr=True, locking="best-effort") as f:
-        attrs = {key: _py(value) for key, value in f.attrs.items()}
-        version = int(attrs.get("schema_version", -1))
-        if not 1 <= version <= schema.SCHEMA_VERSION:
-            raise ValueError(
-                f"{path}: schema_version={version}, this dynmo_hpc reads "
-                f"1..{schema.SCHEMA_VERSION}; HINT: read it with the dynmo_hpc version that "
-                "wrote it (root attribute package_version)"
+    superblock = precheck.check(path)
+    swmr = superblock.open_for_write
+    if _open_in_this_process(path):
+        return _read(path, include_superseded, swmr)
+    limit_s = read_timeout_s(superblock.eof_bytes) if timeout_s is None else timeout_s
+    try:
+        return call_isolated(_read, path, include_superseded, swmr, timeout_s=limit_s)
+    except IsolatedTimeout:
+        raise RunLogError(
+            f"{path}: reading it took over {limit_s:g} s and was stopped (the HDF5 library loops "
+            f"on damaged metadata); {DAMAGED_HINT}"
+        ) from None
+    except IsolatedCrash as exc:
+        log.debug("reading %s failed in the child:\n%s", path, exc.child_traceback)
+        raise RunLogError(f"{path} cannot be read ({exc}); {DAMAGED_HINT}") from None
+
+
+def read_timeout_s(file_bytes: int) -> float:
+    """How long reading a run log of ``file_bytes`` may take before it counts as hung.
+
+    Reading runs at hundreds of MB/s; 10 s plus 1 s per 20 MB leaves a wide margin on a slow
+    shared file system and still ends a hang quickly.
+    """
+    return READ_BASE_TIMEOUT_S + file_bytes / READ_BYTES_PER_S
+
+
+def _open_in_this_process(path: Path) -> bool:
+    """True when this process has ``path`` open through h5py (e.g. a writer in a test)."""
+    target = os.path.realpath(path)
+    for file_id in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+        name = file_id.name
+        if os.path.realpath(name.decode() if isinstance(name, bytes) else name) == target:
+            return True
+    return False
+
+
+def _open(path: Path, swmr: bool) -> h5py.File:
+    """Open read-only; SWMR only for a file a writer holds (or held when it was killed)."""
+    try:
+        return h5py.File(path, "r", swmr=swmr, locking="best-effort")
+    except OSError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if not swmr and "open for write" in reason:  # a writer reopened it since the precheck
+        return _open(path, swmr=True)
+    raise RunLogError(f"{path}: HDF5 cannot open it ({reason}); {DAMAGED_HINT}")
+
+
+def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
+    """Refuse foreign HDF5 files and files of a newer schema, naming what is wrong."""
+    if "schema_version" not in attrs:
+        raise RunLogError(
+            f"{path} is an HDF5 file but not a dynmo_hpc run log (no schema_version "
+            f"attribute); {FOREIGN_HINT}"
+        )
+    try:
+        version = int(attrs["schema_version"])
+    except (TypeError, ValueError):
+        version = -1
+    if not 1 <= version <= schema.SCHEMA_VERSION:
+        raise RunLogError(
+            f"{path}: schema_version={attrs['schema_version']!r}, this dynmo_hpc reads "
+            f"1..{schema.SCHEMA_VERSION}; HINT: read it with the dynmo_hpc version that "
+            "wrote it (root attribute package_version)"
+        )
+    stored_crc = attrs.get(schema.ATTRS_CRC_ATTR)
+    if stored_crc is not None and stored_crc != schema.attrs_crc32(attrs):
+        raise RunLogError(
+            f"{path}: its root attributes (config_yaml, versions, meta) fail their CRC-32 check "
+            f"(corrupt bytes); {DAMAGED_HINT}"
+        )
+    linked = set(f.keys())  # link names only: opening each object is what can fail
+    for spec in schema.TABLES:
+        ds = f.get(spec.name)
+        if spec.name in linked and ds is None:  # h5py's get() hides why it could not open it
+            raise RunLogError(
+                f"{path}: its table /{spec.name} cannot be opened (damaged metadata); "
+                f"{DAMAGED_HINT}"
             )
-        tables = {spec.name: pd.DataFrame(f[spec.name][()]) for spec in schema.TABLES}
-        events = _events(f)
+        fields = getattr(getattr(ds, "dtype", None), "names", None) or ()
+        wanted = [n for n in spec.dtype.names or () if n not in schema.V2_COLUMNS]
+        if not isinstance(ds, h5py.Dataset) or not set(wanted) <= set(fields):
+            raise RunLogError(
+                f"{path} is not a dynmo_hpc run log, or a damaged one: no table /{spec.name} "
+                f"with columns {', '.join(wanted)}; {FOREIGN_HINT}"
+            )
+    if not isinstance(f.get(schema.EVENT_DETAIL), h5py.Dataset):
+        raise RunLogError(
+            f"{path} is not a dynmo_hpc run log, or a damaged one: no /{schema.EVENT_DETAIL}; "
+            f"{FOREIGN_HINT}"
+        )
+
+
+def _parse_config(path: Path, text: Any) -> dict[str, Any]:
+    """The job config from the ``config_yaml`` attribute: a mapping of sections, or empty."""
+    if not isinstance(text, str):
+        raise RunLogError(
+            f"{path}: the config_yaml attribute is of type {type(text).__name__}, not text; "
+            f"{DAMAGED_HINT}"
+        )
+    try:
+        config = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RunLogError(
+            f"{path}: the config_yaml attribute is not valid YAML ({first}); {DAMAGED_HINT}"
+        ) from None
+    if config is None:
+        return {}
+    bad = (
+        "is not a mapping"
+        if not isinstance(config, dict)
+        else next(
+            (
+                f"has section {key!r} that is not a mapping"
+                for key, value in config.items()
+                if not isinstance(key, str) or not isinstance(value, dict | None)
+            ),
+            None,
+        )
+    )
+    if bad is not None:
+        raise RunLogError(
+            f"{path}: the config_yaml attribute is not a job config (it {bad}); {DAMAGED_HINT}"
+        )
+    return config
+
+
+def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
+    """Open and read the file (in the isolated child, see :func:`load`); validates as it goes."""
+    with _open(path, swmr) as f:
+        try:
+            attrs = {key: _py(value) for key, value in f.attrs.items()}
+            _check_is_run_log(path, f, attrs)
+            tables = {spec.name: pd.DataFrame(f[spec.name][()]) for spec in schema.TABLES}
+            events = _events(f, path)
+        except (OSError, KeyError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "filter returned failure" in reason:  # the only filter is Fletcher-32
+                reason = "a table's data fail their Fletcher-32 checksum: corrupt bytes"
+            raise RunLogError(f"{path}: HDF5 cannot read it ({reason}); {DAMAGED_HINT}") from None
     superseded = {}
     for name in schema.STEP_KEYED_TABLES:
         tables[name], superseded[name] = _split_superseded(name, tables[name], include_superseded)
-    config = yaml.safe_load(attrs.get("config_yaml", "")) or {}
-    if not isinstance(config, dict):
-        log.warning("%s: config_yaml is not a mapping; config left empty", path)
-        config = {}
     return RunLog(
         path=path,
         attrs=attrs,
-        config=config,
+        config=_parse_config(path, attrs.get("config_yaml", "")),
         steps=tables[schema.STEPS.name],
         stage_times=tables[schema.STAGE_TIMES.name],
         layer_costs=tables[schema.LAYER_COSTS.name],

@@ -19,7 +19,10 @@ checks that the two agree. Bump :data:`SCHEMA_VERSION` on any incompatible chang
 
 from __future__ import annotations
 
+import json
+import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +55,8 @@ SUPERSEDED_COLUMN = "superseded"
 that step); 0 on the authoritative rows. Only the step-keyed tables carry it; events are history
 and are never superseded."""
 
+V2_COLUMNS = (SEGMENT_COLUMN, SUPERSEDED_COLUMN)
+"""Columns that schema version 1 files lack (readers add them as zeros)."""
 STEP_KEYED_TABLES = ("steps", "stage_times", "layer_costs", "partitions")
 """Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 
@@ -162,6 +167,11 @@ EVENT_DETAIL_CHUNK_BYTES = 64 * 1024
 TABLES: tuple[TableSpec, ...] = (STEPS, STAGE_TIMES, LAYER_COSTS, PARTITIONS, EVENTS)
 """Every compound table, in the order the writer flushes them (events last, after their bytes)."""
 
+ATTRS_CRC_ATTR = "attrs_crc32"
+"""Root attribute holding :func:`attrs_crc32` of all the others. Why: HDF5 checksums its own
+metadata and (with Fletcher-32) every table chunk, but not attribute values kept in its heaps,
+so a flipped bit in ``config_yaml`` would otherwise go unseen. Files without it are not checked."""
+
 ROOT_ATTRS: tuple[str, ...] = (
     "schema_version",
     "package_version",
@@ -173,5 +183,18 @@ ROOT_ATTRS: tuple[str, ...] = (
     "python_version",
     "h5py_version",
     "hdf5_version",
+    ATTRS_CRC_ATTR,
 )
 """Root attributes the writer always sets; caller ``meta`` keys may not reuse these names."""
+
+
+def attrs_crc32(attrs: dict[str, Any]) -> int:
+    """CRC-32 of the root attributes except :data:`ATTRS_CRC_ATTR`, in a canonical JSON form."""
+    plain = {}
+    for key, value in attrs.items():
+        if key == ATTRS_CRC_ATTR:
+            continue
+        if isinstance(value, np.generic):
+            value = value.item()
+        plain[key] = value.decode() if isinstance(value, bytes) else value
+    return zlib.crc32(json.dumps(plain, sort_keys=True).encode())

@@ -37,7 +37,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from dynmo_hpc.runlog import schema
+from dynmo_hpc.errors import RunLogError
+from dynmo_hpc.runlog import precheck, schema
 from dynmo_hpc.version import __version__
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ from 1.10 on (Debian's h5dump, MATLAB, older h5py builds, clusters' HDF5 modules
 ``libver="latest"`` with h5py's bundled HDF5 2.0 writes a format those tools cannot read."""
 
 MetaValue = str | int | float
+
+_RESUME_HINT = (
+    "HINT: move it aside (the resumed run then starts a new run log) or restore it from a backup"
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _json_default(obj: Any) -> Any:
@@ -93,6 +102,7 @@ def _create_tables(f: h5py.File) -> None:
             maxshape=(None,),
             chunks=(spec.chunk_rows,),
             dtype=spec.dtype,
+            fletcher32=True,
         )
     f.create_dataset(
         schema.EVENT_DETAIL,
@@ -100,6 +110,7 @@ def _create_tables(f: h5py.File) -> None:
         maxshape=(None,),
         chunks=(schema.EVENT_DETAIL_CHUNK_BYTES,),
         dtype=np.uint8,
+        fletcher32=True,
     )
 
 
@@ -230,6 +241,7 @@ class RunLogWriter:
                 _create_tables(f)
             for key, value in attrs.items():
                 f.attrs[key] = value
+            f.attrs[schema.ATTRS_CRC_ATTR] = schema.attrs_crc32(attrs)
             f.swmr_mode = True
             os.replace(tmp, self.path)
         except BaseException:
@@ -246,35 +258,63 @@ class RunLogWriter:
         Rows of steps ``>= redo_from_step`` (steps this resumed run will run again) are marked
         superseded; the new rows get the next segment number.
         """
-        with h5py.File(src_path, "r", swmr=True, locking="best-effort") as src:
-            version = int(src.attrs.get("schema_version", -1))
-            if version != schema.SCHEMA_VERSION:
-                raise ValueError(
-                    f"{src_path}: schema_version={version}, this writer appends to "
-                    f"{schema.SCHEMA_VERSION} only; HINT: start a new run log (overwrite=True)"
-                )
-            _create_tables(dst)
-            segments = [-1]
-            for spec in schema.TABLES:
-                rows = src[spec.name][()]
-                if len(rows):
-                    segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
-                if redo_from_step is not None and spec.name in schema.STEP_KEYED_TABLES:
-                    redone = (rows["step"] >= redo_from_step) & (
-                        rows[schema.SUPERSEDED_COLUMN] == 0
-                    )
-                    rows[schema.SUPERSEDED_COLUMN][redone] = 1
-                    if spec is schema.STEPS:
-                        self._num_superseded_rows = int(redone.sum())
-                _append(dst[spec.name], rows)
-            detail = src[schema.EVENT_DETAIL][()]
-            _append(dst[schema.EVENT_DETAIL], detail)
-            self._detail_len_bytes = len(detail)
-            self._segment = max(segments) + 1
-            steps = dst[schema.STEPS.name][()]
-            kept = steps["step"][steps[schema.SUPERSEDED_COLUMN] == 0]
-            self._last_step = int(kept.max()) if len(kept) else -1
-            return {key: value for key, value in src.attrs.items()}
+        # The precheck catches truncation in microseconds; without it a truncated file makes an
+        # SWMR open loop for an hour on rank 0 (see dynmo_hpc.runlog.precheck). A cleanly closed
+        # file is opened without SWMR: HDF5 then fails at once on a bad metadata checksum
+        # instead of retrying.
+        superblock = precheck.check(src_path)
+        try:
+            src = h5py.File(src_path, "r", swmr=superblock.open_for_write, locking="best-effort")
+        except OSError as exc:
+            raise RunLogError(
+                f"{src_path}: HDF5 cannot open it ({_first_line(exc)}); {_RESUME_HINT}"
+            ) from None
+        try:
+            with src:
+                return self._copy_tables(src_path, src, dst, redo_from_step)
+        except RunLogError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+            raise RunLogError(
+                f"{src_path}: cannot append to it, it is damaged ({_first_line(exc)}); "
+                f"{_RESUME_HINT}"
+            ) from None
+
+    def _copy_tables(
+        self, src_path: Path, src: h5py.File, dst: h5py.File, redo_from_step: int | None
+    ) -> dict[str, MetaValue]:
+        """The copy itself, from an open source file (see :meth:`_copy_rows`)."""
+        if "schema_version" not in src.attrs:
+            raise RunLogError(
+                f"{src_path} is an HDF5 file but not a dynmo_hpc run log (no schema_version "
+                f"attribute); {_RESUME_HINT}"
+            )
+        version = int(src.attrs["schema_version"])
+        if version != schema.SCHEMA_VERSION:
+            raise RunLogError(
+                f"{src_path}: schema_version={version}, this writer appends to "
+                f"{schema.SCHEMA_VERSION} only; HINT: start a new run log (overwrite=True)"
+            )
+        _create_tables(dst)
+        segments = [-1]
+        for spec in schema.TABLES:
+            rows = src[spec.name][()]
+            if len(rows):
+                segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
+            if redo_from_step is not None and spec.name in schema.STEP_KEYED_TABLES:
+                redone = (rows["step"] >= redo_from_step) & (rows[schema.SUPERSEDED_COLUMN] == 0)
+                rows[schema.SUPERSEDED_COLUMN][redone] = 1
+                if spec is schema.STEPS:
+                    self._num_superseded_rows = int(redone.sum())
+            _append(dst[spec.name], rows)
+        detail = src[schema.EVENT_DETAIL][()]
+        _append(dst[schema.EVENT_DETAIL], detail)
+        self._detail_len_bytes = len(detail)
+        self._segment = max(segments) + 1
+        steps = dst[schema.STEPS.name][()]
+        kept = steps["step"][steps[schema.SUPERSEDED_COLUMN] == 0]
+        self._last_step = int(kept.max()) if len(kept) else -1
+        return {key: value for key, value in src.attrs.items()}
 
     # -- logging API: append to buffers only ----------------------------------------------------
 
