@@ -256,3 +256,50 @@ def test_interrupting_dynmo_hpc_run_stops_every_rank_cleanly(tmp_path: Path, sig
     log = load(run_dir / "run.h5")
     assert "preempt" in set(log.events["kind"]) and "end" in set(log.events["kind"])
     assert len(log.steps) == result["completed_steps"]
+
+
+def test_a_launcher_that_starts_no_rank_is_one_error_without_a_restart(tmp_path: Path):
+    out = subprocess.run(
+        _cli("run", "jobs/default.yaml", *_sets(tmp_path, "runtime.mpi_launcher=/bin/false")),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert "the MPI launcher exited with code 1 naming no rank" in errors[0]
+    assert "no rank started" in errors[0] and "traceback is above" not in out.stderr
+    assert "HINT: check runtime.mpi_launcher" in out.stderr and "restart 1" not in out.stderr
+
+
+@pytest.mark.parametrize("how", ["second-ctrl-c", "cli-sigkilled"])
+def test_no_rank_outlives_a_killed_cli(tmp_path: Path, how: str):
+    """A second Ctrl-C kills at once; a SIGKILLed CLI takes mpiexec along (PDEATHSIG)."""
+    name = f"killed-{how}"
+    run_dir = tmp_path / name
+    overrides = [*COMMON, "train.steps=100000", f"job.name={name}"]
+    proc = subprocess.Popen(
+        _cli("run", "jobs/default.yaml", *_sets(tmp_path, *overrides)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_step(run_dir, 1, 2)
+    ranks = [s["pid"] for s in rank_status.read_all(run_dir).values()]
+    if how == "second-ctrl-c":
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+    else:
+        proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 15
+    while (_processes_of(run_dir) or any(_alive(p) for p in ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in ranks), "a rank outlived the CLI"
+    assert not _processes_of(run_dir), "processes of the run are left"
+    if how == "second-ctrl-c":
+        assert proc.returncode == 128 + signal.SIGINT
