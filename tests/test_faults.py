@@ -62,23 +62,24 @@ def _failure_events(cfg: JobConfig) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("phase", "action", "step"),
+    ("phase", "action", "step", "rank"),
     [
-        ("load_report", "signal", 3),
-        ("migration", "signal", 3),
-        ("checkpoint", "signal", 3),  # step_4 half written, never complete
-        ("migration", "hang", 3),  # the peer's phase watchdog ends the step
-        ("migration", "corrupt", 3),  # the XXH3 check fails on every rank
+        ("step", "signal", 4, 0),  # rank 0, which writes the run log, mid-step
+        ("load_report", "signal", 3, 1),
+        ("migration", "signal", 3, 1),
+        ("checkpoint", "signal", 3, 1),  # step_4 half written, never complete
+        ("migration", "hang", 3, 1),  # the peer's phase watchdog ends the step
+        ("migration", "corrupt", 3, 1),  # the XXH3 check fails on every rank
     ],
 )
 def test_a_fault_mid_phase_restarts_from_the_last_checkpoint(
-    tmp_path: Path, reference: list[float], phase: str, action: str, step: int
+    tmp_path: Path, reference: list[float], phase: str, action: str, step: int, rank: int
 ) -> None:
     cfg = _cfg(
         tmp_path,
         f"{phase}-{action}",
         f"fault.inject_step={step}",
-        "fault.inject_rank=1",
+        f"fault.inject_rank={rank}",
         f"fault.inject_phase={phase}",
         f"fault.inject_action={action}",
         *(["fault.phase_timeout_s=8"] if action == "hang" else []),
@@ -93,9 +94,9 @@ def test_a_fault_mid_phase_restarts_from_the_last_checkpoint(
     assert result["losses"] == reference, "losses differ from the uninterrupted run's"
 
     if action == "signal":
-        assert (failure.rank, failure.cause, failure.signal) == (1, "signal", signal.SIGKILL)
+        assert (failure.rank, failure.cause, failure.signal) == (rank, "signal", signal.SIGKILL)
         assert (failure.step, failure.phase) == (step, phase)
-        assert f"rank 1 (pid {failure.pid} on " in failure.describe()
+        assert f"rank {rank} (pid {failure.pid} on " in failure.describe()
     elif action == "hang":
         # rank 0 gives up waiting on the frozen rank 1 after phase_timeout_s
         assert failure.cause == "exit" and failure.rank_exit_code == 124, failure
@@ -106,8 +107,10 @@ def test_a_fault_mid_phase_restarts_from_the_last_checkpoint(
     events = _failure_events(cfg)
     assert len(events) == 1 and events[0]["restarted"] is True
     assert events[0]["rank"] == failure.rank and events[0]["step"] == failure.step
-    # every fault is in step 4, before its end-of-step checkpoint: step_2 is the newest
-    assert events[0]["from"].endswith("step_2"), events[0]
+    # the newest complete checkpoint before the fault: one every 2 steps, written at the end of
+    # a step (after its load report and migration), so a fault in step 3 or 4 resumes at step_2
+    # or step_4
+    assert events[0]["from"].endswith(f"step_{step - step % 2}"), events[0]
     assert not (cfg.run_dir / FAILURE_PENDING).exists()
     log = load(cfg.run_dir / "run.h5")
     assert log.steps["loss"].tolist() == reference  # the authoritative rows: one per step
