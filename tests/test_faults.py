@@ -113,6 +113,9 @@ def test_a_fault_mid_phase_restarts_from_the_last_checkpoint(
     assert events[0]["from"].endswith(f"step_{step - step % 2}"), events[0]
     assert not (cfg.run_dir / FAILURE_PENDING).exists()
     log = load(cfg.run_dir / "run.h5")
+    if phase == "checkpoint":  # the half-written step_4 was passed over, and said so
+        skipped = log.events[log.events["kind"] == "checkpoint_skipped"]["detail"].tolist()
+        assert [Path(d["path"]).name for d in skipped] == ["step_4"], skipped
     assert log.steps["loss"].tolist() == reference  # the authoritative rows: one per step
     assert len(log.restarts) == 1
 
