@@ -15,9 +15,10 @@ themselves:
 
 How it stays fast: actions are processed in rounds, all stages at once with numpy. In each
 round every stage whose next action has its input ready runs it, so the number of rounds is the
-length of the longest chain of actions, about ``2M + 2P``, and each round is a handful of array
-operations over the stages. Measured on a shared 2-core machine (``docs/simulate.md``): 1F1B
-with P=2048, M=4096 (16.8 million actions) in about 4 s.
+length of the longest chain of actions (``2M + 2P - 2`` for both schedules), and each round is a
+handful of array operations over the stages. Measured on a shared 2-core machine
+(``docs/simulate.md``): 1F1B with P=2048, M=4096 (16.8 million actions) in 2.6 s (median of
+3), 0.5 GB peak memory.
 """
 
 from __future__ import annotations
