@@ -164,15 +164,14 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
     microbatches = _pick(args.microbatches, value.get("microbatches"))
     if value["tokens_per_microbatch"] < 1:
         raise ValueError(f"--tokens-per-microbatch={value['tokens_per_microbatch']} must be >= 1")
+    comm_s = transfer_time_s(args.latency_s, bandwidth, float(value["activation_bytes"]))
     setup = ReplaySetup(
         num_stages=stages,
         num_microbatches=microbatches,
         schedule=value["schedule"],
         interval=interval,
         num_steps=value["steps"],
-        comm_s=transfer_time_s(args.latency_s, bandwidth, float(value["activation_bytes"]))
-        if stages > 1
-        else 0.0,
+        comm_s=comm_s if stages > 1 else 0.0,
         bandwidth_bytes_per_s=bandwidth,
         margin=value["margin"],
         smoothing=smoothing,
