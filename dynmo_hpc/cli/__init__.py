@@ -1,10 +1,10 @@
-"""``dynmo-hpc``: run jobs locally, plan partitions, report on run logs, submit to SLURM.
+"""``dynmo-hpc``: run jobs locally, plan partitions, report on and simulate runs, submit to SLURM.
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
-:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``). The CLI
-is the only place that parses argv or prints; everything it calls logs or returns values, and
-nothing outside this package imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`,
-a missing file) becomes one ``error:`` line and exit code 2.
+:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.slurm` for
+``sbatch`` and ``submit``). The CLI is the only place that parses argv or prints; everything it
+calls logs or returns values, and nothing outside this package imports it. Every user error (a
+:class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.cli import plan, report, run, slurm
+from dynmo_hpc.cli import plan, report, run, simulate, slurm
 from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.logging_utils import setup_logging
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     plan.add_parser(sub)
     report.add_parser(sub)
+    simulate.add_parser(sub)
     slurm.add_parsers(sub)
     return parser
 

@@ -1,0 +1,10 @@
+"""Offline simulation of pipeline steps and of whole runs under each balancing policy.
+
+Why: whether a dynamic balancer beats a static split depends on the schedule's bubble, the
+communication between stages and the price of migration, not only on the heaviest stage. These
+modules answer "how long would this step (this run) take?" from numbers alone: no MPI, no torch.
+
+- :mod:`~dynmo_hpc.sim.orders`: each stage's action order, as arrays (the trainer's schedules);
+- :mod:`~dynmo_hpc.sim.step`: one step, action by action;
+- :mod:`~dynmo_hpc.sim.replay`: a run's cost traces replayed under a partitioning policy.
+"""

@@ -1,0 +1,213 @@
+"""Replay a training run's measured layer costs under a partitioning policy, step by step.
+
+Why: a run log records what one policy did with one partition. To ask what Megatron's uniform
+split, DeepSpeed's parameter split or DynMo's dynamic balancers would have done with the *same*
+cost history, the history is replayed: each step's time comes from the event-level simulation
+(:mod:`dynmo_hpc.sim.step`) of the partition in force, and the dynamic policies decide at each
+load report with the trainer's own rule (:func:`dynmo_hpc.pipeline.rebalance.decide`: the
+balancer proposes, :func:`dynmo_hpc.balance.should_rebalance` enacts only if the predicted gain
+over the next interval beats the migration time).
+
+The timeline: load report ``r`` holds the costs measured over steps ``r * interval`` to
+``(r + 1) * interval - 1``; those steps are simulated with them. At the end of that interval the
+report is smoothed into the running average (``balance.smoothing``, as the trainer does) and a
+dynamic policy decides; an enacted partition runs from the next step, which also pays the
+migration (busiest rank's bytes / bandwidth). Steps past the last report keep its costs.
+
+Pure: no clock, no I/O; the caller supplies the traces and may pass a progress callback.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dynmo_hpc.balance import partition
+from dynmo_hpc.balance.common import check_values
+from dynmo_hpc.config import BalanceSection
+from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.sim.step import simulate_step, stage_times_s
+
+#: Policies that keep the partition they start with.
+STATIC_POLICIES: tuple[str, ...] = ("uniform", "parameters")
+#: Policies that re-partition at load reports.
+DYNAMIC_POLICIES: tuple[str, ...] = ("optimal", "diffusion")
+POLICIES: tuple[str, ...] = (*STATIC_POLICIES, *DYNAMIC_POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostReport:
+    """One load report: per layer, seconds per step and what the layer weighs."""
+
+    forward_s: list[float]
+    backward_s: list[float]
+    num_params: list[int]
+    """Parameter counts (the ``parameters`` policy's input)."""
+    layer_bytes: list[int]
+    """Bytes that travel when the layer migrates (weights, gradients, optimizer state)."""
+
+    def check(self) -> None:
+        """Raise ValueError unless all four lists have one finite, non-negative value a layer."""
+        n = len(check_values(self.forward_s, "forward_s"))
+        for name in ("backward_s", "num_params", "layer_bytes"):
+            values = check_values(getattr(self, name), name)
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries; forward_s has {n}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaySetup:
+    """The pipeline and the balancing rule the reports are replayed on."""
+
+    num_stages: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    interval: int = 5
+    """Steps per load report (``balance.interval``)."""
+    num_steps: int | None = None
+    """Steps to replay; None: ``interval`` per report."""
+    comm_s: float = 0.0
+    """Seconds per activation transfer between neighbouring stages."""
+    bandwidth_bytes_per_s: float = 12.5e9
+    """Point-to-point bandwidth migrations are priced with."""
+    margin: float = 0.1
+    smoothing: float = 0.5
+
+    def check(self) -> None:
+        """Raise ValueError (or ConfigError) on a setting no run could have."""
+        for name in ("num_stages", "num_microbatches", "interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps!r} must be >= 1")
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} must be finite and > 0"
+            )
+        if not (math.isfinite(self.comm_s) and self.comm_s >= 0):
+            raise ValueError(f"comm_s={self.comm_s!r} must be finite and >= 0")
+        self.balance("optimal").validate()
+
+    def balance(self, policy: str) -> BalanceSection:
+        """The ``balance`` section a run with ``policy`` would have had."""
+        return BalanceSection(
+            algorithm=policy,  # type: ignore[arg-type]  # checked against POLICIES by replay
+            interval=self.interval,
+            margin=self.margin,
+            smoothing=self.smoothing,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyResult:
+    """One policy's replayed run."""
+
+    policy: str
+    step_times_s: list[float] = field(default_factory=list)
+    """Per step, simulated seconds, the migration that preceded it included."""
+    migrations: int = 0
+    """Partitions enacted (dynamic policies only)."""
+    migration_s: float = 0.0
+    """Seconds spent migrating, over the whole run."""
+    final_parts: list[int] = field(default_factory=list)
+
+    @property
+    def median_step_time_s(self) -> float:
+        return float(statistics.median(self.step_times_s))
+
+    def tokens_per_s(self, tokens_per_step: float) -> float:
+        """Tokens over the whole replay / its total time (migrations included)."""
+        return tokens_per_step * len(self.step_times_s) / sum(self.step_times_s)
+
+
+def _initial_parts(policy: str, report: CostReport, num_stages: int) -> list[int]:
+    """The static splits as their tools compute them; the dynamic policies start where the
+    trainer does without ``pipeline.partition``: Megatron's uniform split."""
+    costs = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
+    if policy == "parameters":
+        return partition(costs, num_stages, "parameters", params=report.num_params)
+    return partition(costs, num_stages, "uniform")
+
+
+def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup) -> float:
+    m = setup.num_microbatches
+    return simulate_step(
+        stage_times_s(report.forward_s, parts, m),
+        stage_times_s(report.backward_s, parts, m),
+        m,
+        setup.schedule,
+        comm_s=setup.comm_s,
+    ).step_time_s
+
+
+def replay(
+    reports: Sequence[CostReport],
+    setup: ReplaySetup,
+    policy: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> PolicyResult:
+    """Replay ``reports`` under ``policy`` (one of :data:`POLICIES`).
+
+    ``progress(steps_done, num_steps)`` is called after each interval. Raises ValueError on
+    bad input (no reports, more stages than layers, NaN costs, ...).
+
+    Example: constant costs and the uniform policy give ``num_steps`` equal step times.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if not reports:
+        raise ValueError("no load reports to replay; the run needs at least one")
+    setup.check()
+    for report in reports:
+        report.check()
+    if len({len(r.forward_s) for r in reports}) != 1:
+        raise ValueError("every load report must cover the same layers")
+    num_steps = setup.num_steps or setup.interval * len(reports)
+    parts = _initial_parts(policy, reports[0], setup.num_stages)
+    balance = setup.balance(policy)
+    step_times_s: list[float] = []
+    migrations, migration_s, pending_s = 0, 0.0, 0.0
+    smoothed: list[float] | None = None
+    report_index = 0
+    while len(step_times_s) < num_steps:
+        report = reports[min(report_index, len(reports) - 1)]
+        step_s = _step_time_s(report, parts, setup)
+        steps = min(setup.interval, num_steps - len(step_times_s))
+        step_times_s.extend([step_s] * steps)
+        step_times_s[-steps] += pending_s
+        pending_s = 0.0
+        latest = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
+        a = setup.smoothing
+        smoothed = (
+            latest
+            if smoothed is None
+            else [a * new + (1 - a) * old for new, old in zip(latest, smoothed, strict=True)]
+        )
+        if policy in DYNAMIC_POLICIES and len(step_times_s) < num_steps:
+            decision = decide(
+                balance,
+                costs_s=smoothed,
+                num_params=report.num_params,
+                layer_bytes=report.layer_bytes,
+                parts=parts,
+                bandwidth_bytes_per_s=setup.bandwidth_bytes_per_s,
+                report_index=report_index,
+            )
+            if decision.parts_to_enact is not None:
+                parts = decision.parts_to_enact
+                migrations += 1
+                pending_s = decision.predicted_migration_s
+                migration_s += pending_s
+        report_index += 1
+        if progress is not None:
+            progress(len(step_times_s), num_steps)
+    return PolicyResult(
+        policy=policy,
+        step_times_s=step_times_s,
+        migrations=migrations,
+        migration_s=migration_s,
+        final_parts=list(parts),
+    )

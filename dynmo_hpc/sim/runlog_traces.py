@@ -1,0 +1,92 @@
+"""What a replay needs from a run log: the load reports' layer costs and the run's pipeline.
+
+Why separate from :mod:`dynmo_hpc.sim.replay`: the replay is pure numbers; this module knows the
+run log's tables (``docs/runlog.md``) and config, and turns them into
+:class:`~dynmo_hpc.sim.replay.CostReport` values, refusing a log that has none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dynmo_hpc.errors import RunLogError
+from dynmo_hpc.runlog import RunLog
+from dynmo_hpc.sim.replay import CostReport
+
+ACTIVATION_BYTES_PER_VALUE = 4
+"""float32: the trainer sends activations in the model's dtype, float32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunTraces:
+    """A run's cost history and the settings it ran with."""
+
+    reports: list[CostReport]
+    report_steps: list[int]
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    interval: int
+    margin: float
+    smoothing: float
+    tokens_per_microbatch: int
+    """``train.micro_batch_size * model.seq_len``."""
+    activation_bytes: int
+    """One microbatch's activations between stages: batch x sequence x width x 4 bytes."""
+
+
+def _section(config: dict[str, Any], name: str) -> dict[str, Any]:
+    section = config.get(name)
+    if not isinstance(section, dict):
+        raise RunLogError(
+            f"the run log's config has no {name!r} section; "
+            "HINT: pass a run.h5 written by `dynmo-hpc run`"
+        )
+    return section
+
+
+def traces_from_runlog(run: RunLog) -> RunTraces:
+    """The load reports of ``run`` (authoritative rows only) with the run's settings."""
+    costs = run.layer_costs
+    if costs.empty:
+        raise RunLogError(
+            f"{run.path} has no load reports (layer costs); HINT: simulate a run that lasted "
+            "at least balance.interval steps, or pass --costs"
+        )
+    reports: list[CostReport] = []
+    steps = sorted(int(s) for s in costs["step"].unique())
+    for step in steps:
+        rows = costs[costs["step"] == step].sort_values("layer")
+        forward = [float(x) for x in rows["forward_s"]]
+        backward = [float(x) for x in rows["backward_s"]]
+        if not all(math.isfinite(x) and x >= 0 for x in forward + backward):
+            raise RunLogError(
+                f"{run.path}: the load report at step {step} has a negative or non-finite "
+                "layer cost; HINT: the file is damaged; rerun the job"
+            )
+        layer_bytes = rows["param_bytes"] + rows["grad_bytes"] + rows["optim_bytes"]
+        reports.append(
+            CostReport(
+                forward_s=forward,
+                backward_s=backward,
+                num_params=[int(x) for x in rows["num_params"]],
+                layer_bytes=[int(x) for x in layer_bytes],
+            )
+        )
+    model, train = _section(run.config, "model"), _section(run.config, "train")
+    pipeline, balance = _section(run.config, "pipeline"), _section(run.config, "balance")
+    micro_batch, seq_len = int(train["micro_batch_size"]), int(model["seq_len"])
+    return RunTraces(
+        reports=reports,
+        report_steps=steps,
+        num_stages=int(pipeline["num_stages"]),
+        num_microbatches=int(train["num_microbatches"]),
+        schedule=str(pipeline["schedule"]),
+        interval=int(balance["interval"]),
+        margin=float(balance["margin"]),
+        smoothing=float(balance["smoothing"]),
+        tokens_per_microbatch=micro_batch * seq_len,
+        activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
+    )

@@ -1,0 +1,391 @@
+"""The pipeline simulator: exact step times for cases worked out by hand, agreement with the
+trainer's schedules and with the closed form where that is exact, the replay of a cost history
+under each policy, and ``dynmo-hpc simulate`` end to end (on a constant cost vector and on a real
+run log)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dynmo_hpc.balance.packing import predict_step_time_s
+from dynmo_hpc.cli import main
+from dynmo_hpc.cli import simulate as simulate_cli
+from dynmo_hpc.pipeline.schedule import Action, build_schedule
+from dynmo_hpc.sim.orders import orders_from_actions, stage_orders
+from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.step import simulate_step, stage_times_s, transfer_time_s
+
+# --- one step ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_equal_stages_take_m_plus_p_minus_one_slots(schedule: str) -> None:
+    """P=2, M=2, f=1, b=2, no communication: (M + P - 1) * (f + b) = 9.
+
+    GPipe: stage 0 F0 [0,1] F1 [1,2]; stage 1 F0 [1,2] F1 [2,3] B0 [3,5] B1 [5,7];
+    stage 0 B0 [5,7] B1 [7,9]. 1F1B moves stage 1's B0 before its F1, same makespan.
+    """
+    result = simulate_step([1.0, 1.0], [2.0, 2.0], 2, schedule)
+    assert result.step_time_s == 9.0
+    assert result.busy_s == [6.0, 6.0]
+    assert result.idle_s == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_unequal_stages_hand_timeline(schedule: str) -> None:
+    """Stage 0: f=b=1; stage 1: f=b=2; M=3; no communication. Both schedules end at 14.
+
+    1F1B (stage 0 runs F0 F1 B0 F2 B1 B2, stage 1 F0 B0 F1 B1 F2 B2):
+        stage 0: F0 [0,1]  F1 [1,2]  B0 [5,6]  F2 [6,7]  B1 [9,10]  B2 [13,14]
+        stage 1: F0 [1,3]  B0 [3,5]  F1 [5,7]  B1 [7,9]  F2 [9,11]  B2 [11,13]
+    GPipe (all forwards, then all backwards):
+        stage 0: F0 [0,1]  F1 [1,2]  F2 [2,3]  B0 [9,10]  B1 [11,12]  B2 [13,14]
+        stage 1: F0 [1,3]  F1 [3,5]  F2 [5,7]  B0 [7,9]   B1 [9,11]   B2 [11,13]
+    """
+    result = simulate_step([1.0, 2.0], [1.0, 2.0], 3, schedule)
+    assert result.step_time_s == 14.0
+    assert result.busy_s == [6.0, 12.0]
+    assert result.idle_s == [8.0, 2.0]
+
+
+def test_latency_delays_every_hop() -> None:
+    """P=2, M=2, 1F1B, f=b=1, each transfer 0.5 s.
+
+    stage 0: F0 [0,1]  F1 [1,2]      B0 [4,5]      B1 [6,7]
+    stage 1: F0 [1.5,2.5]  B0 [2.5,3.5]  F1 [3.5,4.5]  B1 [4.5,5.5]
+    (stage 1's F1 input arrives at 2.5 but the stage is busy until 3.5; B1's gradient reaches
+    stage 0 at 5.5 + 0.5 = 6.)
+    """
+    comm_s = transfer_time_s(latency_s=0.25, bandwidth_bytes_per_s=4.0, activation_bytes=1.0)
+    assert comm_s == 0.5
+    assert simulate_step([1.0, 1.0], [1.0, 1.0], 2, "1f1b", comm_s=comm_s).step_time_s == 7.0
+    # One microbatch: the critical path is every compute plus one hop each way.
+    assert simulate_step([1.0, 1.0], [1.0, 1.0], 1, "gpipe", comm_s=0.5).step_time_s == 5.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_microbatches", [1, 3, 7])
+def test_one_stage_is_m_times_f_plus_b(schedule: str, num_microbatches: int) -> None:
+    result = simulate_step([0.5], [1.25], num_microbatches, schedule, comm_s=3.0)
+    assert result.step_time_s == num_microbatches * 1.75
+    assert result.idle_s == [0.0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 1), (3, 4), (4, 8), (6, 5)])
+def test_equal_stages_agree_with_the_closed_form(
+    schedule: str, num_stages: int, num_microbatches: int
+) -> None:
+    """With equal stages and no communication, predict_step_time_s is exact."""
+    num_layers = 2 * num_stages
+    forward_layer_s, backward_layer_s = [1.0] * num_layers, [2.0] * num_layers
+    parts = list(range(0, num_layers + 1, 2))
+    simulated = simulate_step(
+        stage_times_s(forward_layer_s, parts, num_microbatches),
+        stage_times_s(backward_layer_s, parts, num_microbatches),
+        num_microbatches,
+        schedule,
+    ).step_time_s
+    predicted = predict_step_time_s([3.0] * num_layers, parts, num_microbatches)
+    assert simulated == pytest.approx(predicted, rel=1e-12)
+
+
+def test_many_stages_exact_and_busy_plus_idle_is_the_step() -> None:
+    result = simulate_step([1.0] * 256, [2.0] * 256, 512, "1f1b")
+    assert result.step_time_s == (512 + 256 - 1) * 3.0
+    pairs = zip(result.busy_s, result.idle_s, strict=True)
+    assert all(busy + idle == result.step_time_s for busy, idle in pairs)
+
+
+def test_a_slow_middle_stage_sets_the_pace() -> None:
+    """Many microbatches: the step approaches M x the slowest stage's f + b."""
+    result = simulate_step([1.0, 3.0, 1.0], [1.0, 3.0, 1.0], 50, "1f1b")
+    assert 50 * 6.0 <= result.step_time_s <= 50 * 6.0 + 2 * 2 * 2.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_orders_equal_the_trainers_action_lists(schedule: str) -> None:
+    for num_stages in range(1, 9):
+        for num_microbatches in range(1, 11):
+            fast = stage_orders(schedule, num_stages, num_microbatches)
+            lists = [
+                build_schedule(schedule, s, num_stages, num_microbatches) for s in range(num_stages)
+            ]
+            slow = orders_from_actions(lists)
+            assert (fast.is_backward == slow.is_backward).all(), (num_stages, num_microbatches)
+            assert (fast.microbatch == slow.microbatch).all(), (num_stages, num_microbatches)
+
+
+def test_explicit_orders_that_deadlock_are_refused() -> None:
+    """Stage 0 waiting for a backward before sending any forward can never start."""
+    lists = [
+        [Action(0, "B", 0), Action(0, "F", 0)],
+        [Action(1, "F", 0), Action(1, "B", 0)],
+    ]
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate_step([1.0, 1.0], [1.0, 1.0], 1, orders=orders_from_actions(lists))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"forward_s": [1.0, float("nan")]}, "forward_s"),
+        ({"backward_s": [1.0]}, "one per stage"),
+        ({"num_microbatches": 0}, "num_microbatches"),
+        ({"schedule": "zb"}, "unknown schedule"),
+        ({"comm_s": -1.0}, "comm_s"),
+    ],
+)
+def test_bad_step_inputs_are_value_errors(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {
+        "forward_s": [1.0, 1.0],
+        "backward_s": [1.0, 1.0],
+        "num_microbatches": 2,
+        "schedule": "1f1b",
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        simulate_step(**args)  # type: ignore[arg-type]
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+def _report(costs: list[float], layer_bytes: int = 10**9) -> CostReport:
+    """Per-layer seconds per step, one third forward and two thirds backward."""
+    return CostReport(
+        forward_s=[c / 3 for c in costs],
+        backward_s=[2 * c / 3 for c in costs],
+        num_params=[100] * len(costs),
+        layer_bytes=[layer_bytes] * len(costs),
+    )
+
+
+SETUP = ReplaySetup(
+    num_stages=2,
+    num_microbatches=2,
+    schedule="1f1b",
+    interval=2,
+    num_steps=6,
+    bandwidth_bytes_per_s=1e9,
+    smoothing=1.0,
+)
+
+
+def test_replay_migrates_when_it_pays_and_charges_the_move() -> None:
+    """Two reports: 4 equal layers of 3 s, then layer 0 at 9 s (steps 4-5 keep the last report).
+
+    steps 0-1: parts [0,2,4], stages 6 s each -> f=1, b=2 per microbatch: 3 * 3 = 9 s.
+    steps 2-3: still [0,2,4], stages 12 s and 6 s -> the 1F1B timeline gives 13 s:
+        stage 0: F0 [0,2] F1 [2,4] B0 [5,9] B1 [9,13]; stage 1: F0 [2,3] B0 [3,5] F1 [5,6] B1 [6,8].
+    report at step 3: optimal [0,1,4] (9 s, 9 s); gain (12 - 9) * 2 steps = 6 s > 1.1 x 1 s
+    (layer 1 moves, 1 GB at 1 GB/s): enact.
+    steps 4-5: equal stages of 9 s -> f=1.5, b=3: 3 * 4.5 = 13.5 s, plus 1 s of migration on
+    step 4. (The bottleneck rule enacts a partition slower on this short pipeline: the bubble.)
+    """
+    reports = [_report([3.0] * 4), _report([9.0, 3.0, 3.0, 3.0])]
+    static = replay(reports, SETUP, "uniform")
+    assert static.step_times_s == [9.0, 9.0, 13.0, 13.0, 13.0, 13.0]
+    assert static.migrations == 0
+    for policy in ("optimal", "diffusion"):
+        dynamic = replay(reports, SETUP, policy)
+        assert dynamic.step_times_s == [9.0, 9.0, 13.0, 13.0, 14.5, 13.5], policy
+        assert (dynamic.migrations, dynamic.migration_s) == (1, 1.0)
+        assert dynamic.final_parts == [0, 1, 4]
+        assert dynamic.median_step_time_s == 13.0  # 9, 9, 13, 13, 13.5, 14.5
+        assert dynamic.tokens_per_s(10.0) == pytest.approx(60.0 / 72.0)
+
+
+def test_replay_keeps_the_partition_when_migration_costs_more() -> None:
+    """The same history, but each layer weighs 10 GB: 10 s of migration > 6 s of gain."""
+    reports = [_report([3.0] * 4, 10**10), _report([9.0, 3.0, 3.0, 3.0], 10**10)]
+    result = replay(reports, SETUP, "optimal")
+    assert result.migrations == 0
+    assert result.step_times_s == replay(reports, SETUP, "uniform").step_times_s
+
+
+def test_parameters_policy_splits_by_parameter_count() -> None:
+    report = CostReport(
+        forward_s=[1.0] * 4, backward_s=[1.0] * 4, num_params=[30, 10, 10, 10], layer_bytes=[0] * 4
+    )
+    assert replay([report], SETUP, "parameters").final_parts == [0, 1, 4]
+    assert replay([report], SETUP, "uniform").final_parts == [0, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("reports", "setup", "policy", "match"),
+    [
+        ([_report([1.0, 1.0])], ReplaySetup(num_stages=3, num_microbatches=2), "optimal", "> n"),
+        ([], SETUP, "optimal", "no load reports"),
+        ([_report([1.0, 1.0])], SETUP, "greedy", "unknown policy"),
+        ([_report([1.0, float("nan")])], SETUP, "uniform", "finite"),
+        ([_report([1.0, 1.0])], ReplaySetup(num_stages=2, num_microbatches=0), "uniform", ">= 1"),
+        ([_report([1.0, 1.0]), _report([1.0, 1.0, 1.0])], SETUP, "uniform", "same layers"),
+    ],
+)
+def test_bad_replay_inputs_are_value_errors(
+    reports: list[CostReport], setup: ReplaySetup, policy: str, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        replay(reports, setup, policy)
+
+
+# --- dynmo-hpc simulate ------------------------------------------------------------------------
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``dynmo-hpc simulate ARGV`` in-process; an argparse error's SystemExit is its code."""
+    try:
+        rc = main(["simulate", *argv])
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+COSTS = ["--costs", "4,1,1,1,1,1,1,1", "--stages", "2", "--microbatches", "4"]
+
+
+def test_cli_json_has_the_four_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _cli([*COSTS, "--json"], capsys)
+    assert rc == 0, err
+    result = json.loads(out)
+    assert list(result) == list(POLICIES)
+    assert all(set(v) == {"step_time_s", "tokens_per_s"} for v in result.values())
+    # uniform: [0,4,8], loads 7 s and 4 s per step, forward a third; 4 tokens per step.
+    uniform_s = simulate_step([7 / 12, 1 / 3], [14 / 12, 2 / 3], 4, "1f1b").step_time_s
+    assert result["uniform"]["step_time_s"] == pytest.approx(uniform_s)
+    assert result["uniform"]["tokens_per_s"] == pytest.approx(4 / uniform_s)
+    # The dynamic balancers move one layer (free: --layer-bytes defaults to 0) and are faster.
+    assert result["optimal"]["step_time_s"] < result["uniform"]["step_time_s"]
+    assert result["diffusion"]["step_time_s"] == result["optimal"]["step_time_s"]
+
+
+def test_cli_table_and_policy_subset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _cli([*COSTS, "--policies", "uniform,optimal", "--schedule", "gpipe"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("2 stages, 4 microbatches, gpipe")
+    assert [line.split()[0] for line in lines[2:]] == ["uniform", "optimal"]
+    assert lines[3].split()[-1] == "1"  # optimal migrated once
+
+
+def test_cli_logs_progress_of_a_long_replay(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Progress goes to the log (stderr); stdout keeps only the JSON."""
+    monkeypatch.setattr(simulate_cli, "PROGRESS_EVERY_S", 0.0)
+    rc, out, err = _cli([*COSTS, "--policies", "optimal", "--steps", "30", "--json"], capsys)
+    assert rc == 0, err
+    assert "simulate optimal: step 30/30" in err
+    assert list(json.loads(out)) == ["optimal"]
+
+
+def _one_error_line(rc: int, out: str, err: str) -> str:
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "HINT: " in lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--costs", "1,2", "--stages", "3", "--microbatches", "2"], "num_stages=3 > number"),
+        (["--costs", "1,nan", "--stages", "2", "--microbatches", "2"], "--costs[1]=nan"),
+        (["--costs", "1,2", "--stages", "2", "--microbatches", "0"], "num_microbatches=0"),
+        (["--costs", "1,2", "--stages", "2", "--microbatches", "-3"], "num_microbatches=-3"),
+        (["--costs", "1,2", "--stages", "2"], "--costs needs --microbatches"),
+        (["--costs", "1,2", "--stages", "0", "--microbatches", "2"], "num_stages=0"),
+        ([*COSTS, "--bandwidth-gbps", "nan"], "bandwidth"),
+        ([*COSTS, "--bandwidth-bytes-per-s", "0"], "bandwidth"),
+        ([*COSTS, "--latency-s", "-1"], "latency_s"),
+        ([*COSTS, "--interval", "0"], "interval=0"),
+        ([*COSTS, "--policies", "fastest"], "unknown policy fastest"),
+        ([*COSTS, "--params", "1,2"], "--params has 2 entries"),
+        (["--costs", "1,x", "--stages", "2"], "comma-separated numbers"),
+        (["--stages", "2"], "one of the arguments --from --costs is required"),
+        (["--from", "/nonexistent/run.h5"], "no run log"),
+    ],
+)
+def test_cli_bad_input_is_one_error_line(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_error_line(*_cli(argv, capsys))
+    assert match in line
+
+
+def test_cli_refuses_a_file_that_is_not_a_run_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.h5"
+    path.write_bytes(b"not hdf5 at all")
+    assert "not a dynmo_hpc run log" in _one_error_line(*_cli(["--from", str(path)], capsys))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-stage run of 6 steps with a load report every 2 steps (about 15 s)."""
+    from dynmo_hpc.launch.local import run_local
+    from tests.helpers.jobs import tiny_config
+
+    cfg = tiny_config(
+        tmp_path_factory.mktemp("simulate"),
+        "job.name=sim",
+        "pipeline.num_stages=2",
+        "train.steps=6",
+        "balance.interval=2",
+    )
+    assert run_local(cfg, timeout_s=180).exit_code == 0
+    return cfg.run_dir / "run.h5"
+
+
+@pytest.mark.slow
+def test_cli_from_a_real_run_log(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dynmo_hpc.runlog import load
+    from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+
+    rc, out, err = _cli(["--from", str(tiny_run), "--json"], capsys)
+    assert rc == 0, err
+    result = json.loads(out)
+    assert list(result) == list(POLICIES)
+    traces = traces_from_runlog(load(tiny_run))
+    assert len(traces.reports) == 3 and traces.interval == 2 and traces.num_stages == 2
+    assert traces.tokens_per_microbatch == 2 * 32  # micro_batch_size x seq_len of the tiny job
+    for values in result.values():
+        assert values["step_time_s"] > 0
+    # Static uniform on the run's own partition: tokens/s is tokens per step over the mean step.
+    uniform = replay(
+        traces.reports,
+        ReplaySetup(
+            num_stages=2,
+            num_microbatches=4,
+            interval=2,
+            comm_s=transfer_time_s(0.0, 100e9 / 8, traces.activation_bytes),
+        ),
+        "uniform",
+    )
+    assert result["uniform"]["step_time_s"] == pytest.approx(uniform.median_step_time_s)
+    assert result["uniform"]["tokens_per_s"] == pytest.approx(uniform.tokens_per_s(64 * 4))
+    # The run directory works too, and --microbatches and --stages override the run's.
+    rc, out, err = _cli(
+        ["--from", str(tiny_run.parent), "--stages", "3", "--microbatches", "8"], capsys
+    )
+    assert rc == 0, err
+    assert out.startswith("3 stages, 8 microbatches, 1f1b, 6 steps, load report every 2")
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_truncated_run_log(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cut = tmp_path / "run.h5"
+    data = tiny_run.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    line = _one_error_line(*_cli(["--from", str(cut)], capsys))
+    assert str(cut) in line
