@@ -139,7 +139,9 @@ SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire: how long a job credential lives, and so how long slurmctld holds a requeued job
+# before it may start again (default 120 s; a sooner start is refused as "credential revoked").
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
 CredType=cred/munge
 MailProg=/bin/true
 StateSaveLocation=$DIR/state

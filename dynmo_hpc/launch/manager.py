@@ -83,12 +83,11 @@ class ActiveStep:
     def wait_stopped(cls, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the running step to end; True once none runs."""
         step = cls.step
-        if step is None:
-            return True
-        try:
-            step.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return False
+        deadline = time.monotonic() + timeout_s
+        while step is not None and not step.has_ended():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
         return True
 
 

@@ -91,6 +91,17 @@ class StepProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def has_ended(self) -> bool:
+        """Whether the launcher has exited, without reaping it (``WNOWAIT``): safe in a signal
+        handler that interrupted a ``wait`` of the same process, which holds Popen's lock."""
+        if self.proc.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None
+
     def wait(self, timeout_s: float | None = None) -> int:
         return self.proc.wait(timeout=timeout_s)
 
