@@ -94,6 +94,21 @@ def _check_requeued_run(
     assert "REQUEUED" in requeues.stdout or "PREEMPTED" in requeues.stdout, requeues.stdout
 
 
+def _sbatch_submit(
+    cluster: SlurmCluster, tmp_path: Path, name: str, *extra: str
+) -> tuple[int, Path, str]:
+    """``dynmo-hpc sbatch JOB --submit`` with the test's overrides: (job id, run dir, context)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dynmo_hpc", "sbatch", JOB, "--submit",
+         *as_args(_overrides(tmp_path, name, *extra))],
+        env=cluster.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = re.search(r"submitted job (\d+)", out.stdout)
+    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    job_id, run_dir = int(found.group(1)), tmp_path / name
+    return job_id, run_dir, f"logs {run_dir}/{name}-{job_id}.out/.err"
+
+
 def test_submitit_job_is_requeued_after_sigusr2_and_resumes_exactly(
     cluster_environ: SlurmCluster,  # noqa: F811
     tmp_path: Path,
@@ -116,15 +131,7 @@ def test_sbatch_job_is_requeued_after_sigusr2_and_resumes_exactly(
     slurm_cluster: SlurmCluster, tmp_path: Path, reference: list[float]
 ) -> None:
     name = unique("requeue-sbatch")
-    out = subprocess.run(
-        [sys.executable, "-m", "dynmo_hpc", "sbatch", JOB, "--submit",
-         *as_args(_overrides(tmp_path, name))],
-        env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    found = re.search(r"submitted job (\d+)", out.stdout)
-    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
-    job_id, run_dir = int(found.group(1)), tmp_path / name
-    context = f"logs {run_dir}/{name}-{job_id}.out/.err"
+    job_id, run_dir, context = _sbatch_submit(slurm_cluster, tmp_path, name)
     try:
         _signal_mid_run(slurm_cluster, job_id, run_dir)
         assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context
@@ -138,15 +145,7 @@ def test_a_sigkilled_rank_on_the_cluster_is_restarted_in_the_allocation(
 ) -> None:
     name = unique("rank-killed")
     inject = ["fault.inject_step=15", "fault.inject_rank=1"]
-    out = subprocess.run(
-        [sys.executable, "-m", "dynmo_hpc", "sbatch", JOB, "--submit",
-         *as_args(_overrides(tmp_path, name, *inject))],
-        env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    found = re.search(r"submitted job (\d+)", out.stdout)
-    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
-    job_id, run_dir = int(found.group(1)), tmp_path / name
-    context = f"logs {run_dir}/{name}-{job_id}.out/.err"
+    job_id, run_dir, context = _sbatch_submit(slurm_cluster, tmp_path, name, *inject)
     try:
         assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context
     finally:
