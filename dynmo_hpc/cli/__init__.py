@@ -1,7 +1,7 @@
 """``dynmo-hpc``: run jobs locally, plan partitions, report on and simulate runs, submit to SLURM.
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
-:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.slurm` for
+:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`, :mod:`~dynmo_hpc.cli.slurm` for
 ``sbatch`` and ``submit``). The CLI is the only place that parses argv or prints; everything it
 calls logs or returns values, and nothing outside this package imports it. Every user error (a
 :class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes one ``error:`` line and exit code 2.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.cli import plan, report, run, simulate, slurm
+from dynmo_hpc.cli import bench, plan, report, run, simulate, slurm
 from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.logging_utils import setup_logging
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     report.add_parser(sub)
     simulate.add_parser(sub)
+    bench.add_parser(sub)
     slurm.add_parsers(sub)
     return parser
 

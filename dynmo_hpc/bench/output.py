@@ -1,0 +1,110 @@
+"""The bench's files: ``results.h5`` (every run and every row) and ``results.png`` (the chart).
+
+Why HDF5 as well as the Markdown table: the table is for reading, the file is for re-analysis
+(every repeat's figures, not only the medians). Both files are written to a temporary name and
+renamed, so an interrupted bench never leaves a half-written result under the real name.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dynmo_hpc.atomic_io import atomic_write_bytes
+from dynmo_hpc.bench.measure import RunFigures
+from dynmo_hpc.bench.policies import POLICIES, PlannedRun
+from dynmo_hpc.bench.summary import PolicyRow
+
+RUN_COLUMNS = (
+    "tokens_per_s",
+    "ideal_tokens_per_s",
+    "train_s",
+    "wall_s",
+    "num_moves",
+    "num_migrations",
+    "migration_s",
+    "final_loss",
+)
+
+
+def write_results_h5(
+    path: Path,
+    runs: Sequence[tuple[PlannedRun, RunFigures]],
+    rows: Mapping[str, Mapping[str, PolicyRow]],
+    attrs: Mapping[str, str | int | float],
+) -> None:
+    """``/runs`` (one entry per run, in the order they ran) and ``/rows`` (medians, min, max)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            group = f.create_group("runs")
+            text = h5py.string_dtype()
+            group.create_dataset("scheme", data=[r.scheme for r, _ in runs], dtype=text)
+            group.create_dataset("policy", data=[r.policy for r, _ in runs], dtype=text)
+            group.create_dataset("repeat", data=np.array([r.repeat for r, _ in runs]))
+            for column in RUN_COLUMNS:
+                values = [float(getattr(fig, column)) for _, fig in runs]
+                group.create_dataset(column, data=np.array(values, dtype=np.float64))
+            losses = f.create_group("losses")
+            for planned, fig in runs:
+                losses.create_dataset(planned.name, data=np.array(fig.losses, dtype=np.float64))
+            table = f.create_group("rows")
+            flat = [row for by_policy in rows.values() for row in by_policy.values()]
+            table.create_dataset("scheme", data=[r.scheme for r in flat], dtype=text)
+            table.create_dataset("policy", data=[r.policy for r in flat], dtype=text)
+            for field in ("tokens_per_s", "train_s", "wall_s", "efficiency", "migration_s"):
+                for stat in ("median", "low", "high"):
+                    values = [getattr(getattr(r, field), stat) for r in flat]
+                    table.create_dataset(f"{field}_{stat}", data=np.array(values, dtype=np.float64))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_chart(path: Path, rows: Mapping[str, Mapping[str, PolicyRow]]) -> None:
+    """A grouped bar chart: tokens/s per scheme, one bar per policy, min-max as error bars."""
+    schemes = list(rows)
+    policies = [p for p in POLICIES if any(p in by_policy for by_policy in rows.values())]
+    figure = Figure(figsize=(max(6.0, 1.4 * len(schemes) + 2.0), 4.0))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(policies))
+    for k, policy in enumerate(policies):
+        xs, medians, errors_low, errors_high = [], [], [], []
+        for i, scheme in enumerate(schemes):
+            row = rows[scheme].get(policy)
+            if row is None:
+                continue
+            xs.append(i + (k - (len(policies) - 1) / 2) * width)
+            medians.append(row.tokens_per_s.median)
+            errors_low.append(row.tokens_per_s.median - row.tokens_per_s.low)
+            errors_high.append(row.tokens_per_s.high - row.tokens_per_s.median)
+        ax.bar(
+            xs,
+            medians,
+            width,
+            yerr=[errors_low, errors_high],
+            capsize=2,
+            label=POLICIES[policy].label,
+        )
+    ax.set_xticks(range(len(schemes)))
+    ax.set_xticklabels(schemes, rotation=20)
+    ax.set_ylabel("tokens/s (median, min-max)")
+    ax.set_title("dynmo-hpc bench: throughput per scheme and policy")
+    ax.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    atomic_write_bytes(path, buffer.getvalue())

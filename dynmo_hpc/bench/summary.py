@@ -1,0 +1,176 @@
+"""Repeats into one row per (scheme, policy), the same-model check, and the results table.
+
+Why medians with min and max: on a shared machine one slow repeat is noise, not a property of a
+policy. The median resists it, and the min-max range says how far to trust a difference: a
+speedup inside the spread of repeats is no speedup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynmo_hpc.bench.measure import RunFigures
+from dynmo_hpc.bench.policies import DYNAMIC, POLICIES, STATIC
+from dynmo_hpc.errors import DynmoError
+
+
+class LossMismatchError(DynmoError):
+    """Two policies trained different models: a bench comparing them would compare nothing."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread:
+    """Median, min and max over repeats."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("no values")
+        array = np.asarray(values, dtype=np.float64)
+        return cls(median=float(np.median(array)), low=float(array.min()), high=float(array.max()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyRow:
+    """One (scheme, policy) over its repeats."""
+
+    scheme: str
+    policy: str
+    repeats: int
+    tokens_per_s: Spread
+    train_s: Spread
+    wall_s: Spread
+    efficiency: Spread
+    num_moves: Spread
+    migration_s: Spread
+    final_loss: float
+
+
+def summarize(scheme: str, policy: str, runs: Sequence[RunFigures]) -> PolicyRow:
+    """One row from the repeats of one (scheme, policy)."""
+    return PolicyRow(
+        scheme=scheme,
+        policy=policy,
+        repeats=len(runs),
+        tokens_per_s=Spread.of([r.tokens_per_s for r in runs]),
+        train_s=Spread.of([r.train_s for r in runs]),
+        wall_s=Spread.of([r.wall_s for r in runs]),
+        efficiency=Spread.of([r.efficiency for r in runs]),
+        num_moves=Spread.of([float(r.num_moves) for r in runs]),
+        migration_s=Spread.of([r.migration_s for r in runs]),
+        final_loss=float(np.median([r.final_loss for r in runs])),
+    )
+
+
+def max_loss_difference(losses_by_policy: Mapping[str, Sequence[float]]) -> float:
+    """Largest relative difference, over steps, between any policy's loss and the first's."""
+    items = list(losses_by_policy.items())
+    if len(items) < 2:
+        return 0.0
+    _, reference = items[0]
+    worst = 0.0
+    for policy, losses in items[1:]:
+        if len(losses) != len(reference):
+            raise LossMismatchError(
+                f"policy {policy} logged {len(losses)} steps but {items[0][0]} logged "
+                f"{len(reference)}: the runs did not train the same steps"
+            )
+        for a, b in zip(reference, losses, strict=True):
+            if not (math.isfinite(a) and math.isfinite(b)):
+                raise LossMismatchError(f"policy {policy}: a non-finite loss ({a}, {b})")
+            worst = max(worst, abs(a - b) / max(abs(a), 1e-12))
+    return worst
+
+
+def check_same_losses(
+    scheme: str, repeat: int, losses_by_policy: Mapping[str, Sequence[float]], rel_tol: float
+) -> float:
+    """Raise :class:`LossMismatchError` unless every policy's per-step losses agree within
+    ``rel_tol``; returns the largest relative difference.
+
+    Every policy trains the same layers on the same data in the same order; only which rank
+    computes a layer differs. So the losses must agree to rounding, and a bigger difference means
+    a policy changed the math (a lost optimizer state, a layer out of order), not the speed.
+    """
+    worst = max_loss_difference(losses_by_policy)
+    if worst > rel_tol:
+        raise LossMismatchError(
+            f"{scheme}, repeat {repeat}: the policies' losses differ by {worst:.3g} (relative), "
+            f"over the tolerance {rel_tol:g}: {', '.join(losses_by_policy)} did not train the "
+            "same model; look at the runs' run.h5 'steps' tables to find the first step that "
+            "differs"
+        )
+    return worst
+
+
+def speedup(rows: Mapping[str, PolicyRow], fast: str, slow: str) -> Spread | None:
+    """Throughput of ``fast`` over ``slow``: median over median, and the pessimistic and
+    optimistic ends (min over max, max over min)."""
+    if fast not in rows or slow not in rows:
+        return None
+    a, b = rows[fast].tokens_per_s, rows[slow].tokens_per_s
+    return Spread(median=a.median / b.median, low=a.low / b.high, high=a.high / b.low)
+
+
+def _fmt(spread: Spread, digits: int = 0, scale: float = 1.0) -> str:
+    med, low, high = spread.median * scale, spread.low * scale, spread.high * scale
+    return f"{med:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def render_markdown(
+    rows: Mapping[str, Mapping[str, PolicyRow]],
+    loss_differences: Mapping[str, float],
+    *,
+    command: str,
+    setting: str,
+) -> str:
+    """The ``results.md`` text: one table of policies, one of speedups."""
+    lines = [
+        "# dynmo-hpc bench",
+        "",
+        f"Command: `{command}`",
+        "",
+        setting,
+        "",
+        "Median over repeats, (min-max) in brackets. tokens/s = tokens / sum of step times, each "
+        "step timed with its load report, decision and migration. Efficiency = tokens/s over the "
+        "ideal from the run's own measured layer costs, (M + P - 1) / M x max(total / P, heaviest "
+        "layer).",
+        "",
+        "| scheme | policy | tokens/s | train s | wall s | efficiency | moves | migration s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for scheme, by_policy in rows.items():
+        for policy, row in by_policy.items():
+            lines.append(
+                f"| {scheme} | {POLICIES[policy].label} | {_fmt(row.tokens_per_s)} | "
+                f"{_fmt(row.train_s, 1)} | {_fmt(row.wall_s, 1)} | {_fmt(row.efficiency, 2)} | "
+                f"{_fmt(row.num_moves)} | {_fmt(row.migration_s, 3)} |"
+            )
+    lines += [
+        "",
+        "Speedup in tokens/s: median / median (pessimistic min/max - optimistic max/min).",
+        "",
+        "| scheme | "
+        + " | ".join(f"{d} / {s}" for d in DYNAMIC for s in STATIC)
+        + " | max loss diff |",
+        "| --- | " + " | ".join("---" for _ in DYNAMIC for _ in STATIC) + " | --- |",
+    ]
+    for scheme, by_policy in rows.items():
+        cells = []
+        for d in DYNAMIC:
+            for s in STATIC:
+                ratio = speedup(by_policy, d, s)
+                cells.append("-" if ratio is None else _fmt(ratio, 2))
+        lines.append(
+            f"| {scheme} | {' | '.join(cells)} | {loss_differences.get(scheme, 0.0):.2g} |"
+        )
+    return "\n".join(lines) + "\n"

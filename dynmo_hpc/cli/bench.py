@@ -1,0 +1,263 @@
+"""``dynmo-hpc bench``: train each scheme under the two static splits and DynMo's two balancers.
+
+Why a subcommand: "is DynMo faster than what I run now?" deserves one command that answers it on
+the user's own machine, with the spread that says how far to trust the answer. For the plain model
+and each scheme job it trains the same job four times per repeat (static uniform as Megatron-LM
+does, static by parameters as DeepSpeed does, DynMo ``optimal``, DynMo ``diffusion``), interleaved
+(:func:`~dynmo_hpc.bench.policies.run_order`), checks that all four trained the same model (equal
+losses), and writes ``results.md``, ``results.h5`` and ``results.png`` to ``--out``.
+
+Example::
+
+    $ dynmo-hpc bench --schemes plain moe --steps 20 --repeats 3 --out runs/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.bench.measure import RunFigures, run_figures
+from dynmo_hpc.bench.output import write_chart, write_results_h5
+from dynmo_hpc.bench.policies import POLICIES, PlannedRun, policy_overrides, run_order
+from dynmo_hpc.bench.summary import (
+    PolicyRow,
+    check_same_losses,
+    max_loss_difference,
+    render_markdown,
+    summarize,
+)
+from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config import load as load_config
+from dynmo_hpc.errors import DynmoError
+
+log = logging.getLogger(__name__)
+
+SCHEME_JOBS = {
+    "plain": "default.yaml",
+    "moe": "moe.yaml",
+    "pruning": "pruning.yaml",
+    "freezing": "freezing.yaml",
+    "sparse_attention": "sparse_attention.yaml",
+    "early_exit": "early_exit.yaml",
+    "mod": "mod.yaml",
+}
+"""Bench name -> job file in ``--jobs-dir``; ``plain`` is the model with no scheme."""
+
+BENCH_SETS = [
+    "checkpoint.at_end=false",
+    "checkpoint.every_steps=0",
+    "checkpoint.every_minutes=0",
+    "train.log_interval=100000",
+    "elastic.enabled=false",
+]
+"""What every bench run sets: no checkpoints, no packing, quiet logs (the bench measures
+training and balancing, not I/O)."""
+
+
+class BenchError(DynmoError):
+    """A bench run failed; the message names the run and its directory."""
+
+
+def _names(choices: list[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [item.strip() for item in text.replace(",", " ").split() if item.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown name {', '.join(unknown) or '(none)'}; choose from {','.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "bench",
+        help="DynMo against the static splits: tokens/s per scheme and policy",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "--schemes",
+        type=_names(list(SCHEME_JOBS)),
+        default=list(SCHEME_JOBS),
+        help=f"comma-separated, from {','.join(SCHEME_JOBS)} (default: all)",
+    )
+    p.add_argument(
+        "--policies",
+        type=_names(list(POLICIES)),
+        default=list(POLICIES),
+        help=f"comma-separated, from {','.join(POLICIES)} (default: all four)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="train.steps for every run (default: the job's)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="runs per scheme and policy (default 3)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results directory")
+    p.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="where the scheme jobs are")
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=1e-6,
+        help="largest relative loss difference between policies that counts as equal",
+    )
+    add_overrides_argument(p, "model.num_blocks=16")
+    p.set_defaults(func=run)
+    return p
+
+
+def layer_params(cfg: JobConfig) -> list[int]:
+    """Parameter counts of the layers as the job builds them (experts, pruned widths and all)."""
+    from dynmo_hpc.model.schemes import build_layer
+
+    return [
+        sum(p.numel() for p in build_layer(cfg, index).parameters())
+        for index in range(cfg.model.num_layers)
+    ]
+
+
+def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfig:
+    job = args.jobs_dir / SCHEME_JOBS[scheme]
+    if not job.is_file():
+        raise BenchError(
+            f"{job}: no such job file; HINT: run from the repository root, or pass --jobs-dir "
+            "DIR holding default.yaml and the scheme jobs"
+        )
+    sets = [*BENCH_SETS, f"job.out_dir={args.out / 'runs'}"]
+    if args.steps is not None:
+        sets.append(f"train.steps={args.steps}")
+    return load_config(job, [*sets, *args.overrides, *extra])
+
+
+def _train(planned: PlannedRun, cfg: JobConfig) -> RunFigures:
+    from dynmo_hpc.launch.local import run_local
+    from dynmo_hpc.runlog import load as load_runlog
+
+    t0 = time.perf_counter()
+    outcome = run_local(cfg, overwrite=True)
+    wall_s = time.perf_counter() - t0
+    if outcome.exit_code != 0:
+        raise BenchError(
+            f"{planned.name}: training failed with exit code {outcome.exit_code}; its output and "
+            f"run log are in {cfg.run_dir}"
+        )
+    runlog = load_runlog(cfg.run_dir / "run.h5")
+    return run_figures(
+        steps=runlog.steps,
+        layer_costs=runlog.layer_costs,
+        events=runlog.events,
+        tokens_per_step=cfg.tokens_per_step,
+        num_stages=cfg.pipeline.num_stages,
+        num_microbatches=cfg.train.num_microbatches,
+        wall_s=wall_s,
+    )
+
+
+def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.repeats} repeats; per scheme (job file, blocks, stages, microbatches, steps):",
+        "",
+    ]
+    for scheme, cfg in configs.items():
+        lines.append(
+            f"- {scheme}: {SCHEME_JOBS[scheme]}, {cfg.model.num_blocks} blocks, "
+            f"{cfg.pipeline.num_stages} stages, {cfg.train.num_microbatches} microbatches, "
+            f"{cfg.train.steps} steps, balance interval {cfg.balance.interval}"
+        )
+    return "\n".join(lines)
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this bench (for the results' header)."""
+    words = ["dynmo-hpc", "bench", "--schemes", ",".join(args.schemes)]
+    words += ["--policies", ",".join(args.policies), "--repeats", str(args.repeats)]
+    if args.steps is not None:
+        words += ["--steps", str(args.steps)]
+    words += ["--out", str(args.out)]
+    for item in args.overrides:
+        words += ["--set", item]
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise BenchError(f"--repeats={args.repeats} must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        raise BenchError(f"--steps={args.steps} must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = {scheme: _config(args, scheme, []) for scheme in args.schemes}
+    params = {scheme: layer_params(cfg) for scheme, cfg in base.items()}
+    order = run_order(args.schemes, args.policies, args.repeats)
+    log.info(
+        "bench: %d runs (%d schemes x %d policies x %d repeats) into %s",
+        len(order),
+        len(args.schemes),
+        len(args.policies),
+        args.repeats,
+        args.out,
+    )
+    done: list[tuple[PlannedRun, RunFigures]] = []
+    t_start = time.perf_counter()
+    for k, planned in enumerate(order):
+        cfg0 = base[planned.scheme]
+        sets = policy_overrides(planned.policy, cfg0.pipeline.num_stages, params[planned.scheme])
+        cfg = _config(args, planned.scheme, [*sets, f"job.name={planned.name}"])
+        figures = _train(planned, cfg)
+        done.append((planned, figures))
+        elapsed_s = time.perf_counter() - t_start
+        eta_s = elapsed_s / (k + 1) * (len(order) - k - 1)
+        log.info(
+            "[%d/%d] %s: %.0f tokens/s (efficiency %.2f), %d moves, %.1f s; %.0f s left",
+            k + 1,
+            len(order),
+            planned.name,
+            figures.tokens_per_s,
+            figures.efficiency,
+            figures.num_moves,
+            figures.wall_s,
+            eta_s,
+        )
+
+    rows: dict[str, dict[str, PolicyRow]] = {}
+    for scheme in args.schemes:
+        rows[scheme] = {}
+        for policy in args.policies:
+            runs = [f for p, f in done if p.scheme == scheme and p.policy == policy]
+            rows[scheme][policy] = summarize(scheme, policy, runs)
+    differences: dict[str, float] = {}
+    mismatch: DynmoError | None = None
+    for scheme in args.schemes:
+        for repeat in range(args.repeats):
+            losses = {
+                p.policy: f.losses for p, f in done if p.scheme == scheme and p.repeat == repeat
+            }
+            worst = max_loss_difference(losses)
+            try:
+                check_same_losses(scheme, repeat, losses, args.loss_rtol)
+            except DynmoError as exc:
+                mismatch = mismatch or exc
+            differences[scheme] = max(differences.get(scheme, 0.0), worst)
+
+    command = _command(args)
+    text = render_markdown(rows, differences, command=command, setting=_setting(base, args))
+    atomic_write_text(args.out / "results.md", text)
+    write_results_h5(
+        args.out / "results.h5",
+        done,
+        rows,
+        {"command": command, "repeats": args.repeats, "loss_rtol": args.loss_rtol},
+    )
+    write_chart(args.out / "results.png", rows)
+    sys.stdout.write(text)
+    print(f"wrote {args.out / 'results.md'}, results.h5, results.png")
+    if mismatch is not None:
+        raise mismatch
+    return 0
