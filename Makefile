@@ -16,7 +16,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/sim/step.py dynmo_hpc/sim/replay.py dynmo_hpc/bench/policies.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py
 
-.PHONY: venv run test test-fast lint typecheck format bench slurm-up slurm-down clean
+.PHONY: venv run test test-gpu test-fast lint typecheck format bench slurm-up slurm-down clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ run: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -ra
+
+# The CUDA tier alone (a normal `make test` includes it where torch sees a GPU).
+test-gpu: $(STAMP)
+	DYNMO_GPU_TIER=1 $(PY) -m pytest -q -ra -m gpu tests/test_gpu.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow and not slurm"
