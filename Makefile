@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOB ?= jobs/elastic.yaml
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
 # The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
@@ -16,7 +19,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/sim/step.py dynmo_hpc/sim/replay.py dynmo_hpc/bench/policies.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py
 
-.PHONY: venv run test test-gpu test-fast lint typecheck format bench slurm-up slurm-down clean
+.PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean
 
 venv: $(STAMP)
 
@@ -55,6 +58,31 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_pipeline.py
+
+# The peer-check env for benchmarks/peer_deepspeed.py: .venv plus DeepSpeed, kept apart so that
+# .venv and `make test` never see DeepSpeed. It reuses .venv's packages (torch included) through a
+# .pth file that adds .venv's site-packages after its own, so nothing is downloaded twice and it
+# follows .venv; its own site-packages (DeepSpeed, its extra deps, this checkout's editable
+# install) come first. .venv is made when it has no stamp, but never reinstalled from here (a
+# prerequisite, even order-only, would reinstall it whenever requirements.txt is newer).
+# --without-pip: pip and setuptools come from .venv too (Python 3.11's bundled setuptools 65
+# would shadow them and cannot build DeepSpeed's wheel: no bdist_wheel).
+# DS_BUILD_OPS=0: no CUDA/C++ ops are compiled; partition_balanced is pure Python.
+# --no-build-isolation: DeepSpeed's setup.py then sees torch (via the .pth) instead of a bare
+# build env. After moving the checkout, delete .venv-bench and run this again (absolute path).
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_STAMP): requirements-bench.txt
+	@test -f $(STAMP) || $(MAKE) venv
+	@test -x $(BENCH_PY) || $(PY) -m venv --without-pip $(BENCH_VENV)
+	@main_site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	bench_site=$$($(BENCH_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	echo "import site; site.addsitedir('$$main_site')" > "$$bench_site/dynmo_main_env.pth"
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(BENCH_PY) -m pip install --quiet --no-build-isolation \
+		-r requirements-bench.txt
+	$(BENCH_PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	DS_ACCELERATOR=cpu $(BENCH_PY) -c 'from deepspeed.runtime.utils import partition_balanced'
+	@touch $(BENCH_STAMP)
 
 slurm-up: $(STAMP)
 	bash scripts/slurm_cluster.sh up
