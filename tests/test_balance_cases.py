@@ -18,6 +18,8 @@ from dynmo_hpc.balance import (
     optimal,
     partition,
     plan_moves,
+    rank_bytes,
+    should_follow,
     should_rebalance,
     stage_loads,
 )
@@ -273,6 +275,55 @@ def test_decision_uses_the_busiest_rank_and_per_layer_bytes() -> None:
     decision = should_rebalance(costs, [0, 2, 4, 6], [0, 1, 5, 6], [0, 7, 0, 0, 5, 0], 1.0, 10)
     assert decision.busiest_rank_bytes == 12.0 and decision.bytes_moved == 12.0
     assert decision.predicted_migration_s == 12.0
+
+
+@pytest.mark.parametrize(
+    ("old_parts", "new_parts", "busiest_layers", "traffic_layers"),
+    [
+        # Layer 1 goes 0 -> 1 while layer 5 goes 2 -> 3: disjoint pairs run at once.
+        ([0, 2, 4, 6, 8], [0, 1, 4, 5, 8], 1, [1, 1, 1, 1]),
+        # Stage 0 sends layers 1 and 2 to stage 1: one rank's two layers, one after the other.
+        ([0, 3, 4, 6, 8], [0, 1, 4, 6, 8], 2, [2, 2, 0, 0]),
+        # Stage 1 receives layer 1 and sends layer 3: its own two transfers share its threads.
+        ([0, 2, 4, 6, 8], [0, 1, 3, 6, 8], 2, [1, 2, 1, 0]),
+    ],
+)
+def test_migration_is_priced_as_migrate_runs_it(
+    old_parts: list[int], new_parts: list[int], busiest_layers: int, traffic_layers: list[int]
+) -> None:
+    """Moves between different pairs of ranks overlap; a rank's own sends and receives do not
+    (migrate() drives them with one progress loop and one hashing thread per rank), so the
+    time is the busiest rank's bytes sent plus received over one transfer's bandwidth."""
+    layer_bytes = 1e9
+    decision = should_rebalance([1.0] * 8, old_parts, new_parts, layer_bytes, 1e9, 10)
+    assert decision.busiest_rank_bytes == busiest_layers * layer_bytes
+    assert decision.predicted_migration_s == pytest.approx(busiest_layers)
+    traffic = rank_bytes(plan_moves(old_parts, new_parts), [layer_bytes] * 8, 4)
+    assert traffic == [n * layer_bytes for n in traffic_layers]
+
+
+def test_a_path_is_judged_by_its_best_prefix() -> None:
+    """Loads (4, 1, 4) on [1]*9: hop 1 relieves stage 0 only (no gain alone), hop 2 stage 2."""
+    costs, path = [1.0] * 9, [[0, 4, 5, 9], [0, 3, 5, 9], [0, 3, 6, 9]]
+    alone = should_rebalance(costs, path[0], path[1], 1.0, 1.0, 10)
+    assert not alone.enact and alone.reason.startswith("no gain")
+    walk = should_follow(costs, path, 1.0, 1.0, [10, 10])
+    assert walk.enact and walk.new_parts == path[1] and walk.reason.startswith("enact: hop 1 of 2")
+    assert walk.predicted_gain_s == 10.0  # 0 s/step for 10 steps, then 1 s/step for 10
+    assert walk.predicted_migration_s == 1.0 and walk.judged_migration_s == 2.0
+    assert walk.judged_hops == 2
+    # Hops beyond the steps left are not judged: with one check left, the walk cannot pay.
+    short = should_follow(costs, path, 1.0, 1.0, [10])
+    assert not short.enact and short.reason.startswith("no gain")
+    # Too dear: 2 s of gain for 2 x 1.1 s of migration.
+    dear = should_follow(costs, path, 1.0, 1.0, [2, 2])
+    assert not dear.enact and dear.reason.startswith("keep") and dear.predicted_gain_s == 2.0
+    # One hop is the plain rule; an empty path is refused.
+    assert should_follow(costs, path[:2], 1.0, 1.0, [10, 10]) == alone
+    with pytest.raises(ValueError, match="path is empty"):
+        should_follow(costs, [], 1.0, 1.0, [1])
+    with pytest.raises(ValueError, match="steps_per_hop"):
+        should_follow(costs, path, 1.0, 1.0, [1, -1])
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 
 from dynmo_hpc.balance import (
     diffusion,
+    diffusion_step,
     diffusion_trace,
     optimal,
     optimal_bottleneck,
@@ -168,3 +169,36 @@ def test_max_rounds_caps_the_work() -> None:
     assert len(capped) <= 3  # the start plus at most two phases
     with pytest.raises(ValueError, match="max_rounds=-1"):
         diffusion(costs, 8, max_rounds=-1)
+
+
+def test_one_step_is_one_phase_of_the_trace() -> None:
+    """diffusion_step re-splits only the pairs of its parity (the other boundaries stay), moves
+    layers to neighbours only, is idempotent, and chaining steps of alternating parity (skipping
+    ones that move nothing) is exactly the trace from that parity."""
+    for costs, num_stages, start in _instances(seed=9, count=120):
+        current = start or partition(costs, num_stages, "uniform")
+        for first in (0, 1):
+            trace = diffusion_trace(costs, num_stages, current=current, first_phase=first)
+            walked, parts, phase, idle = [current], current, first, 0
+            while idle < 2:
+                after = diffusion_step(costs, parts, phase=phase)
+                fixed = [k for k in range(1, num_stages) if (k - 1) % 2 != phase]
+                assert [after[k] for k in fixed] == [parts[k] for k in fixed]
+                assert all(abs(m.src - m.dst) == 1 for m in plan_moves(parts, after))
+                assert diffusion_step(costs, after, phase=phase) == after
+                idle = idle + 1 if after == parts else 0
+                if after != parts:
+                    walked.append(after)
+                parts, phase = after, 1 - phase
+            assert walked == trace
+
+
+def test_one_step_keeps_the_capacity() -> None:
+    # Stage 0 could take layer 3 (loads 3, 6 -> 4, 5) but would then hold 13 bytes > 12.
+    costs, memory = [1.0, 1.0, 1.0, 1.0, 1.0, 4.0], [1, 1, 1, 10, 1, 1]
+    assert diffusion_step(costs, [0, 3, 6], phase=0) == [0, 4, 6]
+    assert diffusion_step(costs, [0, 3, 6], phase=0, memory=memory, capacity=12) == [0, 3, 6]
+    with pytest.raises(ValueError, match="13 bytes on stage 0, over capacity=12"):
+        diffusion_step(costs, [0, 4, 6], phase=0, memory=memory, capacity=12)
+    with pytest.raises(ValueError, match="phase=2 must be 0"):
+        diffusion_step(costs, [0, 3, 6], phase=2)

@@ -8,6 +8,7 @@ their layer; clipping sums per-layer norms in global order, so the partition doe
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -50,6 +51,18 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
     for _, row in migrations.iterrows():
         assert row["detail"]["bytes_moved"] > 0 and row["detail"]["num_moves"] >= 1
 
+    # A step that migrated waited for it: its row is written once the migration is done, and its
+    # time (and so its tokens/s) spans the load report and the migration.
+    steps = log.steps.set_index("step")
+    for _, row in migrations.iterrows():
+        step_row = steps.loc[row["step"]]
+        assert step_row["wall_s"] >= row["wall_s"], "step logged before its migration ended"
+        assert step_row["step_time_s"] >= row["detail"]["seconds"] > 0
+    assert steps["step_time_s"].tolist() == moving["step_time_s"]
+    tokens_per_s = [moving_cfg.tokens_per_step / t for t in moving["step_time_s"]]
+    assert moving["tokens_per_s"] == pytest.approx(tokens_per_s)
+    assert steps["tokens_per_s"].tolist() == moving["tokens_per_s"]
+
     static_dir = resolve(static_cfg.run_dir)[0].path  # the newest checkpoint (step_10)
     moving_dir = resolve(moving_cfg.run_dir)[0].path
     for index in range(moving_cfg.model.num_layers):
@@ -60,3 +73,31 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
         for pid, state in a["optimizer"]["state"].items():
             for key, value in state.items():
                 assert torch.equal(value, b["optimizer"]["state"][pid][key]), (index, pid, key)
+
+
+@pytest.mark.parametrize("algorithm", ["optimal", "diffusion", "parameters"])
+def test_one_stage_trains_with_a_balancer(tmp_path, algorithm):
+    """One stage has no link to measure (bandwidth inf) and nothing to move: the job trains,
+    reports, never migrates, and its checkpoint's run state is strict JSON."""
+    cfg = tiny_config(
+        tmp_path,
+        "pipeline.num_stages=1",
+        f"balance.algorithm={algorithm}",
+        "balance.interval=1",
+        "train.steps=3",
+        "checkpoint.at_end=true",
+    )
+    result = run_job(cfg)
+    assert result["completed_steps"] == 3 and len(result["losses"]) == 3
+    assert result["parts"] == [0, cfg.model.num_layers]
+    log = load(cfg.run_dir / "run.h5")
+    assert log.report_steps() == [0, 1, 2]
+    assert not set(log.events["kind"]) & {"rebalance", "migrate", "error"}
+    state_text = (resolve(cfg.run_dir)[0].path / "run_state.json").read_text()
+
+    def refuse(constant):
+        raise AssertionError(f"run_state.json holds {constant}, which is not JSON")
+
+    state = json.loads(state_text, parse_constant=refuse)
+    assert state["balancer"]["bandwidth_bytes_per_s"] is None
+    assert state["balancer"]["num_reports"] == 3

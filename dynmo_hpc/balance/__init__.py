@@ -12,12 +12,13 @@ Entry point: :func:`partition` with one of :data:`ALGORITHMS`
 - ``"optimal"``: the exact minimum of the heaviest stage's cost (chains-on-chains), optionally
   under ``memory=`` (bytes per layer) and ``capacity=`` (bytes per stage).
 - ``"diffusion"``: neighbouring stages re-split their boundary until no pair gains; monotone,
-  terminating, but not always optimal (see :mod:`.diffusion` and ``docs/balancing.md``).
+  terminating, but not always optimal (see :mod:`.diffusion` and ``docs/balancing.md``);
+  :func:`diffusion_step` is one phase of it, what the trainer enacts per decision.
 
 Every algorithm keeps layers in global order with one contiguous, non-empty range per stage,
 rejects more stages than layers with a ValueError, and (``optimal``, ``diffusion``) returns
 ``current=`` unchanged when it cannot do better. Then :func:`plan_moves` lists the migration and
-:func:`should_rebalance` decides whether it pays.
+:func:`should_rebalance` decides whether it pays (:func:`should_follow` for a path of hops).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import inspect
 from collections.abc import Callable
 
 from dynmo_hpc.balance.common import CostsLike, bottleneck, stage_loads
-from dynmo_hpc.balance.decision import Decision, should_rebalance
-from dynmo_hpc.balance.diffusion import diffusion, diffusion_trace
+from dynmo_hpc.balance.decision import Decision, rank_bytes, should_follow, should_rebalance
+from dynmo_hpc.balance.diffusion import diffusion, diffusion_step, diffusion_trace
 from dynmo_hpc.balance.moves import Move, plan_moves
 from dynmo_hpc.balance.optimal import min_capacity, optimal, optimal_bottleneck
 from dynmo_hpc.balance.static import parameters, uniform
@@ -103,6 +104,7 @@ __all__ = [
     "algorithm_options",
     "bottleneck",
     "diffusion",
+    "diffusion_step",
     "diffusion_trace",
     "min_capacity",
     "optimal",
@@ -110,6 +112,8 @@ __all__ = [
     "parameters",
     "partition",
     "plan_moves",
+    "rank_bytes",
+    "should_follow",
     "should_rebalance",
     "stage_loads",
     "uniform",

@@ -7,15 +7,23 @@ predictions over the coming interval, both in seconds:
 
 - **gain** = ``(old bottleneck - new bottleneck) * steps_until_next_check``. A step's time is
   predicted by the heaviest stage (the pipeline's steady-state pace), using the costs measured
-  now, on the assumption that they hold until the next check.
-- **migration** = bytes through the busiest rank / bandwidth. Transfers between different pairs
-  of ranks run concurrently and each rank's link is full duplex, so the transfer ends when the
-  rank with the most to send (or to receive) is done: ``max over stages of max(bytes sent, bytes
-  received)``. The total bytes are reported too, for a shared-link view.
+  now, on the assumption that they hold until the next check. The caller counts the steps the
+  new partition will really run: until the next check or the end of training, whichever is
+  first.
+- **migration** = bytes through the busiest rank / bandwidth, where a rank's bytes are what it
+  sends *plus* what it receives: ``max over stages of (bytes sent + bytes received)``. This is
+  how :func:`dynmo_hpc.pipeline.migration.migrate` runs: every move is posted at once, so moves
+  between different pairs of ranks proceed concurrently, but on each rank one thread drives MPI
+  progress for all of its transfers and one worker thread hashes every chunk it sends and every
+  chunk it receives (:mod:`dynmo_hpc.pipeline.wire`), so a rank's own sends and receives share
+  that time instead of overlapping. ``bandwidth_bytes_per_s`` is the rate of one transfer between
+  two ranks (:func:`~dynmo_hpc.pipeline.migration.measure_bandwidth`, then what the last migration
+  achieved in these units), so a single move of ``b`` bytes is priced ``b / bandwidth``.
 
 The new partition is enacted iff ``gain > (1 + margin) * migration``; ``margin`` (a fraction,
-e.g. 0.1 for 10 %) absorbs error in both predictions. Pure: no clock, no MPI; the caller supplies
-the measured bandwidth.
+e.g. 0.1 for 10 %) absorbs error in both predictions. :func:`should_follow` extends the rule to a
+path of partitions taken one hop per check (diffusion's phases). Pure: no clock, no MPI; the
+caller supplies the measured bandwidth.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dynmo_hpc.balance.common import (
@@ -33,7 +41,7 @@ from dynmo_hpc.balance.common import (
     loads_from_prefix,
     prefix_sums,
 )
-from dynmo_hpc.balance.moves import plan_moves
+from dynmo_hpc.balance.moves import Move, plan_moves
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,9 +59,10 @@ class Decision:
     algorithm: str = ""
     """What proposed the candidate: a balance algorithm, or ``forced`` (testing)."""
     predicted_gain_s: float
-    """Seconds saved until the next check if the new partition is enacted (may be <= 0)."""
+    """Seconds saved until the next check if the new partition is enacted (may be <= 0); for a
+    path (:func:`should_follow`), saved over the ``judged_hops`` checks it takes."""
     predicted_migration_s: float
-    """Seconds the migration is predicted to take (busiest rank's bytes / bandwidth)."""
+    """Seconds this migration is predicted to take (busiest rank's bytes / bandwidth)."""
     reason: str
     """One line saying why, with the numbers."""
     old_bottleneck_s: float = 0.0
@@ -65,7 +74,11 @@ class Decision:
     bytes_moved: float = 0.0
     """Total bytes over all moves."""
     busiest_rank_bytes: float = 0.0
-    """Bytes sent or received by the busiest rank: what the migration time is based on."""
+    """Bytes sent plus bytes received by the busiest rank: what the migration time is based on."""
+    judged_hops: int = 1
+    """Partitions of the path the gain was judged over (1: this one alone)."""
+    judged_migration_s: float = 0.0
+    """Predicted migration seconds of all ``judged_hops`` hops (this one's alone for 1 hop)."""
 
     @property
     def parts_to_enact(self) -> list[int] | None:
@@ -86,6 +99,9 @@ class Decision:
             "new_bottleneck_s": self.new_bottleneck_s,
             "num_moves": self.num_moves,
             "bytes_moved": self.bytes_moved,
+            "busiest_rank_bytes": self.busiest_rank_bytes,
+            "judged_hops": self.judged_hops,
+            "judged_migration_s": self.judged_migration_s,
         }
 
 
@@ -101,6 +117,19 @@ def _bytes_of_layers(bytes_per_layer: float | CostsLike, num_layers: int) -> lis
             "pass one per layer or a single number"
         )
     return values
+
+
+def rank_bytes(moves: Sequence[Move], layer_bytes: Sequence[float], num_ranks: int) -> list[float]:
+    """Per rank, the bytes it sends plus the bytes it receives in one migration of ``moves``.
+
+    Why the sum, not the larger of the two: a rank's sends and receives share its one MPI
+    progress thread and its one hashing thread (see the module docstring).
+    """
+    traffic = [0.0] * num_ranks
+    for move in moves:
+        traffic[move.src] += layer_bytes[move.layer]
+        traffic[move.dst] += layer_bytes[move.layer]
+    return traffic
 
 
 def should_rebalance(
@@ -120,11 +149,13 @@ def should_rebalance(
             count may differ, e.g. after packing).
         bytes_per_layer: bytes that travel with a layer (weights + gradients + optimizer
             state), one number for all layers or one per layer.
-        bandwidth_bytes_per_s: measured point-to-point bandwidth between ranks.
+        bandwidth_bytes_per_s: measured rate of one transfer between two ranks.
         steps_until_next_check: training steps over which the gain accrues.
         margin: required relative excess of gain over migration (0.1: 10 %).
 
-    Example: 1 s/step saved over 100 steps versus 2 GB over 10 GB/s (0.2 s): enact.
+    Example: 1 s/step saved over 100 steps versus 2 GB over 10 GB/s (0.2 s): enact. Two moves
+    between disjoint pairs of ranks cost one move's time; a rank that sends one layer and
+    receives another costs two.
     """
     values = check_values(costs)
     num_layers = len(values)
@@ -143,13 +174,7 @@ def should_rebalance(
     old_s = max(loads_from_prefix(prefix, old))
     new_s = max(loads_from_prefix(prefix, new))
     moves = plan_moves(old, new)
-    num_ranks = max(len(old), len(new)) - 1
-    sent = [0.0] * num_ranks
-    received = [0.0] * num_ranks
-    for move in moves:
-        sent[move.src] += layer_bytes[move.layer]
-        received[move.dst] += layer_bytes[move.layer]
-    busiest = max(max(sent), max(received))
+    busiest = max(rank_bytes(moves, layer_bytes, max(len(old), len(new)) - 1))
     gain_s = (old_s - new_s) * steps_until_next_check
     migration_s = busiest / bandwidth_bytes_per_s
     needed_s = (1.0 + margin) * migration_s
@@ -183,4 +208,86 @@ def should_rebalance(
         num_moves=len(moves),
         bytes_moved=sum(layer_bytes[m.layer] for m in moves),
         busiest_rank_bytes=busiest,
+        judged_migration_s=migration_s,
+    )
+
+
+def should_follow(
+    costs: CostsLike,
+    path: Sequence[Sequence[int]],
+    bytes_per_layer: float | CostsLike,
+    bandwidth_bytes_per_s: float,
+    steps_per_hop: Sequence[int],
+    margin: float = 0.1,
+) -> Decision:
+    """Whether to take the first hop of ``path``, a walk of partitions taken one hop per check.
+
+    Why: a local balancer (diffusion) reaches its fixed point in phases, one per decision, and a
+    phase can be a necessary step that gains nothing alone: with loads ``(3, 1, 3)``, relieving
+    stage 0 leaves stage 2 at the old pace, and the next phase, relieving stage 2, is what
+    lowers the bottleneck. Judging each hop by itself would stop there for good. So the first
+    hop is enacted iff some prefix of the path pays for itself: for ``k`` hops, the gain
+    ``sum over j < k of (B_0 - B_{j+1}) * steps_per_hop[j]`` (``B_j`` the bottleneck of
+    ``path[j]``, held for ``steps_per_hop[j]`` steps once enacted) exceeds ``(1 + margin)`` times
+    the ``k`` hops' migrations. The prefix with the largest margin over its migration is the one
+    reported. With one hop this is exactly :func:`should_rebalance`. Costs are assumed to hold
+    along the path; each later decision judges the rest of the path afresh.
+
+    Args:
+        path: ``path[0]`` is the partition in force, each next one a hop (at least one entry).
+        steps_per_hop: steps ``path[j + 1]`` would run; hops beyond its length are not judged.
+        Others: as for :func:`should_rebalance`.
+    """
+    if not path:
+        raise ValueError("path is empty; it must start with the partition in force")
+    for count in steps_per_hop:
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"steps_per_hop={list(steps_per_hop)!r} must hold ints >= 0")
+    hops = min(len(path) - 1, len(steps_per_hop))
+    first = should_rebalance(
+        costs,
+        path[0],
+        path[min(1, hops)],
+        bytes_per_layer,
+        bandwidth_bytes_per_s,
+        steps_per_hop[0] if hops else 0,
+        margin,
+    )
+    if hops <= 1 or first.enact or first.num_moves == 0:
+        return first
+    old_s = first.old_bottleneck_s
+    gain_s, migration_s = first.predicted_gain_s, first.predicted_migration_s
+    prefixes = [(gain_s, migration_s)]
+    for j in range(1, hops):
+        hop = should_rebalance(
+            costs, path[j], path[j + 1], bytes_per_layer, bandwidth_bytes_per_s, 0, margin
+        )
+        gain_s += (old_s - hop.new_bottleneck_s) * steps_per_hop[j]
+        migration_s += hop.predicted_migration_s
+        prefixes.append((gain_s, migration_s))
+    # The best prefix by net gain; on a tie the shorter one (less of the future assumed).
+    k = max(range(hops), key=lambda i: (prefixes[i][0] - (1.0 + margin) * prefixes[i][1], -i)) + 1
+    gain_s, migration_s = prefixes[k - 1]
+    steps = sum(steps_per_hop[:k])
+    needed_s = (1.0 + margin) * migration_s
+    enact = gain_s > needed_s
+    if enact:
+        reason = (
+            f"enact: hop 1 of {k}: gain {gain_s:.6g} s over {steps} steps > (1 + margin "
+            f"{margin:g}) * migration {migration_s:.6g} s over {k} hops = {needed_s:.6g} s"
+        )
+    elif max(gain for gain, _ in prefixes) <= 0:
+        reason = f"no gain: none of {hops} hops lowers the bottleneck below {old_s:.6g} s/step"
+    else:
+        reason = (
+            f"keep: best gain {gain_s:.6g} s over {k} hops and {steps} steps <= (1 + margin "
+            f"{margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
+        )
+    return replace(
+        first,
+        enact=enact,
+        predicted_gain_s=gain_s,
+        reason=reason,
+        judged_hops=k,
+        judged_migration_s=migration_s,
     )

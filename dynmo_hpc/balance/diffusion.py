@@ -22,6 +22,12 @@ Guarantees (the tests check each):
   so the rounds end (with exact float arithmetic on one shared prefix-sum list, no tolerance).
 - *Order and contiguity*: only boundaries move, so every stage stays one non-empty range.
 
+Two ways to use it: :func:`diffusion` runs the rounds to the fixed point (what ``partition`` and
+``dynmo-hpc plan`` return), and :func:`diffusion_step` applies a single phase. The trainer
+enacts one phase per balancing decision (``first_phase`` of :func:`diffusion_trace` gives the
+path it walks), so each layer moves at most one stage per migration; repeated decisions walk
+the trace until the rest of it would no longer lower the bottleneck.
+
 What it does not guarantee: reaching the optimum. A pair only sees its own two loads, so it will
 not push load "uphill" into a neighbour that is lighter than the bottleneck but would have to pass
 layers further down the chain first. At a fixed point, neighbouring loads differ by at most one
@@ -35,7 +41,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynmo_hpc.balance.common import CostsLike, check_parts, loads_from_prefix, prefix_sums
+from dynmo_hpc.balance.common import (
+    CostsLike,
+    check_parts,
+    check_values,
+    loads_from_prefix,
+    prefix_sums,
+)
 from dynmo_hpc.balance.optimal import Chain, checked_chain
 from dynmo_hpc.balance.static import uniform
 
@@ -110,6 +122,26 @@ def _start(
     return mem_chain.build(mem_chain.solve(num_stages), num_stages, None)
 
 
+def _check_phase(phase: int, name: str) -> int:
+    if isinstance(phase, bool) or phase not in (0, 1):
+        raise ValueError(
+            f"{name}={phase!r} must be 0 (pairs (0,1), (2,3), ...) or 1 (pairs (1,2), (3,4), ...)"
+        )
+    return int(phase)
+
+
+def _phase(chain: Chain, parts: list[int], phase: int) -> bool:
+    """Re-split every pair ``(p, p+1)`` with ``p = phase, phase + 2, ...`` in place; whether
+    any boundary moved. The pairs share no stage, so their order does not matter."""
+    moved = False
+    for p in range(phase, len(parts) - 2, 2):
+        boundary = resplit(chain, parts[p], parts[p + 1], parts[p + 2])
+        if boundary != parts[p + 1]:
+            parts[p + 1] = boundary
+            moved = True
+    return moved
+
+
 def _run(
     costs: CostsLike,
     num_stages: int,
@@ -117,29 +149,51 @@ def _run(
     memory: CostsLike | None,
     capacity: float | None,
     max_rounds: int | None,
+    first_phase: int = 0,
 ) -> tuple[list[list[int]], Chain]:
     values, num_stages, chain, mem = checked_chain(costs, num_stages, memory, capacity)
     if max_rounds is not None and max_rounds < 0:
         raise ValueError(f"max_rounds={max_rounds} must be >= 0 (or None for no cap)")
+    first_phase = _check_phase(first_phase, "first_phase")
     parts = _start(values, num_stages, mem, current)
     trace = [parts.copy()]
     rounds = 0
     while max_rounds is None or rounds < max_rounds:
         rounds += 1
         moved_in_round = False
-        for phase in (0, 1):
-            moved = False
-            for p in range(phase, num_stages - 1, 2):
-                boundary = resplit(chain, parts[p], parts[p + 1], parts[p + 2])
-                if boundary != parts[p + 1]:
-                    parts[p + 1] = boundary
-                    moved = True
-            if moved:
+        for phase in (first_phase, 1 - first_phase):
+            if _phase(chain, parts, phase):
                 trace.append(parts.copy())
                 moved_in_round = True
         if not moved_in_round:
             break
     return trace, chain
+
+
+def diffusion_step(
+    costs: CostsLike,
+    current: Sequence[int],
+    *,
+    phase: int,
+    memory: CostsLike | None = None,
+    capacity: float | None = None,
+) -> list[int]:
+    """One phase from ``current``: pairs ``(phase, phase+1), (phase+2, phase+3), ...`` re-split.
+
+    Why a single phase: it is what neighbouring stages can do between two training steps with
+    only each other's costs, and every layer it moves goes to a neighbouring stage (no layer
+    crosses two stages at once). Returns ``current`` when no pair of that parity gains; applying
+    the same phase twice moves nothing the second time. ``current`` must fit ``capacity``.
+
+    Example: ``diffusion_step([3, 1, 1, 1], [0, 2, 3, 4], phase=0) == [0, 1, 3, 4]`` (loads 4, 1,
+    1 become 3, 2, 1); with ``phase=1`` the pair (1, 2) cannot gain and nothing moves.
+    """
+    parts = check_parts(current, len(check_values(costs)), "current")
+    num_stages = len(parts) - 1
+    values, num_stages, chain, mem = checked_chain(costs, num_stages, memory, capacity)
+    parts = _start(values, num_stages, mem, parts)
+    _phase(chain, parts, _check_phase(phase, "phase"))
+    return parts
 
 
 def diffusion_trace(
@@ -150,15 +204,17 @@ def diffusion_trace(
     memory: CostsLike | None = None,
     capacity: float | None = None,
     max_rounds: int | None = None,
+    first_phase: int = 0,
 ) -> list[list[int]]:
     """Every partition diffusion passes through: the start, then one per phase that moved layers.
 
     The start is ``current``, else the uniform split (else, if that breaks the memory capacity,
     the memory-balanced split). ``max_rounds`` caps the rounds (``None``: run to the fixed point,
-    which always exists, see the module docstring). Consecutive entries differ only by moves
-    between neighbouring stages.
+    which always exists, see the module docstring). ``first_phase`` (0 or 1) is the parity each
+    round starts with. Consecutive entries differ only by moves between neighbouring stages: each
+    is one :func:`diffusion_step` of the one before.
     """
-    return _run(costs, num_stages, current, memory, capacity, max_rounds)[0]
+    return _run(costs, num_stages, current, memory, capacity, max_rounds, first_phase)[0]
 
 
 def diffusion(

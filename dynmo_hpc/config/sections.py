@@ -327,17 +327,22 @@ BALANCE_ALGORITHMS = ("static", "uniform", "parameters", "optimal", "diffusion")
 @dataclass(frozen=True, kw_only=True)
 class BalanceSection:
     algorithm: Literal["static", "uniform", "parameters", "optimal", "diffusion"] = "optimal"
-    """How rank 0 re-partitions at each load report; ``static`` never moves a layer."""
+    """How rank 0 re-partitions at each load report; ``static`` never moves a layer. ``uniform``,
+    ``parameters`` and ``optimal`` propose their whole partition at once; ``diffusion`` proposes
+    one phase of neighbour re-splits per report (pairs (0,1), (2,3), ... or (1,2), (3,4), ...,
+    alternating), so a layer moves at most one stage per migration and successive reports walk
+    to diffusion's fixed point. Each proposal is enacted only if it pays for its migration."""
     interval: int = 5
     """Steps between load reports (per-layer costs gathered to rank 0, run log flushed) and
     balancing decisions."""
     smoothing: float = 0.5
     """Weight of the newest report in the per-layer cost average (1.0: no smoothing)."""
     margin: float = 0.1
-    """Enact a new partition only if its predicted gain over the next interval exceeds
-    (1 + margin) x the predicted migration time."""
+    """Enact a new partition only if its predicted gain until the next report (or the end of
+    training, if sooner) exceeds (1 + margin) x the predicted migration time."""
     capacity_bytes: float | None = None
-    """Per-stage memory cap (parameters + gradients + optimizer state) for ``optimal``."""
+    """Per-stage memory cap (parameters + gradients + optimizer state) for ``optimal`` and
+    ``diffusion`` (``optimal`` also repairs a partition over it; ``diffusion`` never crosses it)."""
     force_moves: bool = False
     """Testing: at every report, migrate to a different valid partition regardless of gain."""
 

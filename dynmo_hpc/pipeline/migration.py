@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -277,9 +278,11 @@ def migrate(
     """Move layers so this rank owns ``new_parts[rank]..new_parts[rank+1]-1``; collective.
 
     Every rank must call it with the same ``new_parts``. All moves are in flight at once (every
-    send and receive is posted before any is waited on). Tags: move ``i`` of the plan uses
-    ``2i`` and ``2i + 1``, checked against the MPI tag limit. ``on_chunk`` is for fault-injection
-    tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
+    send and receive is posted before any is waited on), so moves between different pairs of
+    ranks overlap; a rank's own sends and receives share its progress loop and its one hashing
+    thread, which is why the decision rule prices a rank's bytes sent plus received. Tags: move
+    ``i`` of the plan uses ``2i`` and ``2i + 1``, checked against the MPI tag limit. ``on_chunk``
+    is for fault-injection tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
     """
     t0 = time.perf_counter()
     moves = plan_moves(pipeline_stage.parts, new_parts)
@@ -353,14 +356,19 @@ def migrate(
 def measure_bandwidth(
     comm: MPI.Comm, num_bytes: int = 32 << 20, repeats: int = 3, chunk_bytes: int = CHUNK_BYTES
 ) -> float:
-    """Migration throughput between ranks 0 and 1 in bytes/s (all ranks get the value).
+    """Rate of one transfer between ranks 0 and 1 in bytes/s (all ranks get the value).
 
     What the decision rule predicts migration time with before any migration happened, so it is
     measured the way migration moves data (chunked, hashed on both sides, verified) with a
-    message as large as a real layer's; the median of ``repeats`` round trips' halves.
+    message as large as a real layer's; the median of ``repeats`` one-way transfers, alternating
+    direction. One link, one transfer at a time, the other ranks idle: exactly the unit of
+    :func:`dynmo_hpc.balance.should_rebalance`'s model, which prices each rank's bytes sent plus
+    received at this rate and lets different pairs of ranks proceed at once, as :func:`migrate`
+    does. With one rank there is no link and nothing can move: ``inf`` (the decision glue never
+    prices a migration for one stage).
     """
     if comm.size < 2:
-        return float("inf")
+        return math.inf
     buf = torch.zeros(num_bytes, dtype=torch.uint8)
     rates = []
     for rep in range(repeats):

@@ -9,7 +9,8 @@ Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); rank ``r`
 4. ``gather`` of the step's losses and stage times to rank 0 (progress, run log);
 5. every ``balance.interval`` steps, a load report (per-layer costs and bytes) to rank 0, whose
    balancing decision is broadcast; if it enacts a new partition, layers migrate
-   (:mod:`dynmo_hpc.pipeline.migration`) before the next step.
+   (:mod:`dynmo_hpc.pipeline.migration`) before the next step (:mod:`.load_report`). Both count
+   in the step's logged time: the pipeline waits for them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +41,10 @@ from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
     IntervalAccumulator,
-    LoadReport,
-    RankReport,
-    assemble_load_report,
 )
 from dynmo_hpc.pipeline.data import TextDataset
-from dynmo_hpc.pipeline.device import peak_memory_bytes, pick_device
-from dynmo_hpc.pipeline.elastic import PackController, pack_result_event, resize_event
+from dynmo_hpc.pipeline.device import pick_device
+from dynmo_hpc.pipeline.elastic import PackController, resize_event
 from dynmo_hpc.pipeline.lifecycle import (
     FaultPoints,
     StopRequest,
@@ -55,8 +54,8 @@ from dynmo_hpc.pipeline.lifecycle import (
     log_failures,
     log_progress,
 )
-from dynmo_hpc.pipeline.migration import MigrationStats, measure_bandwidth, migrate
-from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.pipeline.load_report import LoadReporting
+from dynmo_hpc.pipeline.migration import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 
@@ -70,7 +69,7 @@ def initial_partition(cfg: JobConfig) -> list[int]:
     return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
 
 
-class Trainer:
+class Trainer(LoadReporting):
     """Owns one rank's stage, the step loop and rank 0's reporting."""
 
     def __init__(
@@ -136,6 +135,7 @@ class Trainer:
         self.accumulator = IntervalAccumulator()
         self.tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
         self.num_reports = 0
+        self.pipeline_step_s = deque(maxlen=cfg.balance.interval)
         self.bandwidth_bytes_per_s = (
             measure_bandwidth(self.migration_comm) if cfg.balance.algorithm != "static" else 0.0
         )
@@ -229,78 +229,6 @@ class Trainer:
         self.writer.log_event(step=self.start_step - 1, kind="resize", detail=detail)
         log.warning("resized: %s", {k: v for k, v in detail.items() if k.endswith("_s")})
 
-    def _pack_result(self, step: int) -> None:
-        """Rank 0, first report after a pack: the measured throughput beside the prediction."""
-        predicted, self.packer.predicted_tokens_per_s = self.packer.predicted_tokens_per_s, None
-        detail = pack_result_event(predicted, self.result.tokens_per_s[self.start_step :])
-        if detail is not None:
-            self.writer.log_event(step=step, kind="pack_result", detail=detail)
-
-    def _load_report(self, step: int) -> None:
-        """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate."""
-        forward_s, backward_s = self.accumulator.mean_per_step()
-        mine = RankReport(
-            forward_s=forward_s,
-            backward_s=backward_s,
-            sizes=self.pipeline_stage.layer_sizes(),
-            peak_mem_bytes=peak_memory_bytes(self.device),
-        )
-        self.faults.enter("load_report", step)
-        self.faults.strike("load_report", step)
-        gathered = self.comm.gather(mine, root=0)
-        plan_parts: list[int] | None = None
-        pack_target: dict[str, Any] | None = None
-        if self.rank == 0:
-            report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
-            plan_parts = self._record_and_decide(report)
-            pack_target = self._consider_pack(report)
-            if pack_target is not None:
-                plan_parts = None  # the layers move through the pack's checkpoint instead
-            self._pack_result(step)
-        new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
-        self.num_reports += 1
-        if new_parts is not None:
-            self.faults.enter("migration", step)
-            self.faults.strike("migration", step)  # its peers are inside the exchange
-            stats = migrate(
-                self.pipeline_stage,
-                self.migration_comm,
-                new_parts,
-                on_chunk=lambda _item, _k, chunk: self.faults.strike("migration", step, chunk),
-            )
-            totals = self.comm.gather(stats, root=0)
-            self.parts = list(new_parts)
-            if self.rank == 0:
-                self._record_migration(step, totals)
-        if self.rank == 0:
-            self.writer.flush()
-
-    def _consider_pack(self, report: LoadReport) -> dict[str, Any] | None:
-        """Rank 0: the packing decision (logged); the target stage count and partition, or None."""
-        recent = self.result.step_time_s[-self.cfg.balance.interval :]
-        costs_s = self.tracker.costs_s
-        if costs_s is None:
-            return None
-        plan = self.packer.consider(
-            report,
-            costs_s,
-            self.parts,
-            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            measured_step_s=float(np.median(recent)) if recent else None,
-        )
-        if plan is None:
-            return None
-        detail = plan.to_event()
-        recent_tps = self.result.tokens_per_s[-self.cfg.balance.interval :]
-        detail["measured_tokens_per_s_before"] = (
-            float(np.median(recent_tps)) if recent_tps else None
-        )
-        self.writer.log_event(step=report.step, kind="pack", detail=detail)
-        log.info("step %d: %s", report.step + 1, plan.reason)
-        if not plan.pack:
-            return None
-        return detail
-
     def _resize(self, step: int) -> None:
         """Every rank: checkpoint for the pack; rank 0 asks the manager for the resize."""
         assert self.pack_target is not None
@@ -326,67 +254,10 @@ class Trainer:
                 directory,
             )
 
-    def _record_migration(self, step: int, totals: list[MigrationStats]) -> None:
-        """Rank 0: log the migration and update the bandwidth the decision rule predicts with."""
-        moved = sum(t.bytes_sent for t in totals)
-        seconds = max(t.seconds for t in totals)
-        # The decision rule prices a migration as the busiest rank's bytes / bandwidth, so the
-        # bandwidth it learns is exactly that ratio, as this migration achieved it.
-        busiest = max(max(t.bytes_sent, t.bytes_received) for t in totals)
-        if busiest and seconds > 0:
-            self.bandwidth_bytes_per_s = busiest / seconds
-        self.writer.log_event(
-            step=step,
-            kind="migrate",
-            detail={
-                "new_parts": self.parts,
-                "num_moves": totals[0].num_moves,
-                "bytes_moved": moved,
-                "seconds": seconds,
-            },
-        )
-        log.info(
-            "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
-            step + 1,
-            totals[0].num_moves,
-            moved / 1e6,
-            seconds,
-            self.parts,
-        )
-
-    def _record_and_decide(self, report: LoadReport) -> list[int] | None:
-        """Rank 0: write the report to the run log, smooth the costs, decide; the new partition
-        to migrate to, or None."""
-        self.writer.log_layer_report(
-            step=report.step,
-            forward_s=report.forward_s,
-            backward_s=report.backward_s,
-            num_params=report.num_params,
-            param_bytes=[s.param_bytes for s in report.sizes],
-            grad_bytes=[s.grad_bytes for s in report.sizes],
-            optim_bytes=[s.optim_bytes for s in report.sizes],
-            parts=self.parts,
-            peak_mem_bytes=report.peak_mem_bytes,
-        )
-        costs_s = self.tracker.update(report.forward_s, report.backward_s)
-        if self.cfg.balance.algorithm == "static" or report.step + 1 >= self.cfg.train.steps:
-            return None  # static, or after the last step: a migration could not pay back
-        plan = decide(
-            self.cfg.balance,
-            costs_s=costs_s,
-            num_params=report.num_params,
-            layer_bytes=report.layer_bytes,
-            parts=self.parts,
-            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            report_index=self.num_reports,
-        )
-        if plan.enact:
-            self.writer.log_event(step=report.step, kind="rebalance", detail=plan.to_event())
-            log.info("step %d: rebalance %s -> %s", report.step + 1, self.parts, plan.new_parts)
-        return plan.parts_to_enact
-
     # ------------------------------------------------------------------ the loop
     def step(self, step: int) -> StepStats:
+        """One training step, then its load report (and migration) when one is due; the step's
+        logged time and tokens/s span both, since the next step waits for them."""
         cfg = self.cfg
         t0 = time.perf_counter()
         self.faults.enter("step", step)
@@ -411,6 +282,10 @@ class Trainer:
         gathered = self.comm.gather(
             (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
         )
+        self.pipeline_step_s.append(time.perf_counter() - t0)
+        reported = (step + 1) % cfg.balance.interval == 0 or step + 1 == cfg.train.steps
+        if reported:
+            self._load_report(step)
         step_time_s = time.perf_counter() - t0
         if self.rank == 0:
             loss = sum(g[0] for g in gathered)
@@ -434,6 +309,8 @@ class Trainer:
             for event in scheme_events:
                 self.writer.log_event(step=step, kind=event["kind"], detail=event)
             log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
+            if reported:
+                self.writer.flush()
         return stats
 
     def train(self) -> TrainResult:
@@ -450,7 +327,6 @@ class Trainer:
                 cfg.train.micro_batch_size,
                 cfg.model.seq_len,
             )
-        interval = cfg.balance.interval
         stop = StopRequest()
         try:
             last_step = cfg.train.steps
@@ -458,8 +334,6 @@ class Trainer:
             resized = False
             for step in range(self.start_step, cfg.train.steps):
                 self.step(step)
-                if (step + 1) % interval == 0 or step + 1 == cfg.train.steps:
-                    self._load_report(step)
                 # One collective per step: any rank's stop signal, rank 0's checkpoint clock.
                 flags = np.array([stop.signum, self._minutes_due()], dtype=np.int64)
                 self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
@@ -544,7 +418,10 @@ class Trainer:
             "balancer": {
                 "costs_s": self.tracker.costs_s,
                 "num_reports": self.num_reports,
-                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                # None, not Infinity, for one rank (no link): strict JSON
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s
+                if math.isfinite(self.bandwidth_bytes_per_s)
+                else None,
             },
             "history": {
                 "losses": self.result.losses,

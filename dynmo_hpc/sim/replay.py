@@ -6,13 +6,15 @@ cost history, the history is replayed: each step's time comes from the event-lev
 (:mod:`dynmo_hpc.sim.step`) of the partition in force, and the dynamic policies decide at each
 load report with the trainer's own rule (:func:`dynmo_hpc.pipeline.rebalance.decide`: the
 balancer proposes, :func:`dynmo_hpc.balance.should_rebalance` enacts only if the predicted gain
-over the next interval beats the migration time).
+until the next report or the end of the run beats the migration time; diffusion moves one phase
+per report).
 
 The timeline: load report ``r`` holds the costs measured over steps ``r * interval`` to
 ``(r + 1) * interval - 1``; those steps are simulated with them. At the end of that interval the
 report is smoothed into the running average (``balance.smoothing``, as the trainer does) and a
 dynamic policy decides; an enacted partition runs from the next step, which also pays the
-migration (busiest rank's bytes / bandwidth). Steps past the last report keep its costs.
+migration (busiest rank's bytes sent plus received / bandwidth). Steps past the last report keep
+its costs.
 
 Pure: no clock, no I/O; the caller supplies the traces and may pass a progress callback.
 """
@@ -195,6 +197,7 @@ def replay(
                 parts=parts,
                 bandwidth_bytes_per_s=setup.bandwidth_bytes_per_s,
                 report_index=report_index,
+                steps_left=num_steps - len(step_times_s),
             )
             if decision.parts_to_enact is not None:
                 parts = decision.parts_to_enact

@@ -1,0 +1,197 @@
+"""The trainer's load report: gather per-layer costs to rank 0, decide, broadcast, migrate.
+
+Why its own module: it is the one collective of the step loop that can change where layers run,
+with its rank-0 bookkeeping (run log, cost smoothing, the balancing and packing decisions, the
+bandwidth the decision rule learns); :class:`LoadReporting` is mixed into
+:class:`dynmo_hpc.pipeline.trainer.Trainer`, which owns the state it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.pipeline.costs import (
+    CostTracker,
+    IntervalAccumulator,
+    LoadReport,
+    RankReport,
+    assemble_load_report,
+)
+from dynmo_hpc.pipeline.device import peak_memory_bytes
+from dynmo_hpc.pipeline.elastic import PackController, pack_result_event
+from dynmo_hpc.pipeline.lifecycle import FaultPoints, TrainResult
+from dynmo_hpc.pipeline.migration import MigrationStats, migrate
+from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.pipeline.stage import PipelineStage
+
+log = logging.getLogger(__name__)
+
+
+class LoadReporting:
+    """The load-report half of the trainer (see the module docstring)."""
+
+    cfg: JobConfig
+    comm: MPI.Comm
+    migration_comm: MPI.Comm
+    rank: int
+    run_dir: Path
+    device: Any
+    faults: FaultPoints
+    pipeline_stage: PipelineStage
+    accumulator: IntervalAccumulator
+    tracker: CostTracker
+    packer: PackController
+    result: TrainResult
+    writer: Any
+    parts: list[int]
+    start_step: int
+    num_reports: int
+    bandwidth_bytes_per_s: float
+    pack_target: dict[str, Any] | None
+    pipeline_step_s: deque[float]
+    """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer and
+    gather without the load report or migration: the steady pace the packer's model predicts
+    (a migration is a one-off, and its time is in the logged step time)."""
+
+    def _pack_result(self, step: int) -> None:
+        """Rank 0, first report after a pack: the measured throughput beside the prediction."""
+        predicted, self.packer.predicted_tokens_per_s = self.packer.predicted_tokens_per_s, None
+        detail = pack_result_event(predicted, self.result.tokens_per_s[self.start_step :])
+        if detail is not None:
+            self.writer.log_event(step=step, kind="pack_result", detail=detail)
+
+    def _load_report(self, step: int) -> None:
+        """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate.
+
+        Runs inside the step it reports on (:meth:`Trainer.step`), so that step's time includes
+        it; rank 0 flushes the run log once the step's row is written."""
+        forward_s, backward_s = self.accumulator.mean_per_step()
+        mine = RankReport(
+            forward_s=forward_s,
+            backward_s=backward_s,
+            sizes=self.pipeline_stage.layer_sizes(),
+            peak_mem_bytes=peak_memory_bytes(self.device),
+        )
+        self.faults.enter("load_report", step)
+        self.faults.strike("load_report", step)
+        gathered = self.comm.gather(mine, root=0)
+        plan_parts: list[int] | None = None
+        pack_target: dict[str, Any] | None = None
+        if self.rank == 0:
+            report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
+            plan_parts = self._record_and_decide(report)
+            pack_target = self._consider_pack(report)
+            if pack_target is not None:
+                plan_parts = None  # the layers move through the pack's checkpoint instead
+            self._pack_result(step)
+        new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
+        self.num_reports += 1
+        if new_parts is not None:
+            self.faults.enter("migration", step)
+            self.faults.strike("migration", step)  # its peers are inside the exchange
+            stats = migrate(
+                self.pipeline_stage,
+                self.migration_comm,
+                new_parts,
+                on_chunk=lambda _item, _k, chunk: self.faults.strike("migration", step, chunk),
+            )
+            totals = self.comm.gather(stats, root=0)
+            self.parts = list(new_parts)
+            if self.rank == 0:
+                self._record_migration(step, totals)
+
+    def _consider_pack(self, report: LoadReport) -> dict[str, Any] | None:
+        """Rank 0: the packing decision (logged); the target stage count and partition, or None."""
+        recent = list(self.pipeline_step_s)
+        costs_s = self.tracker.costs_s
+        if costs_s is None:
+            return None
+        plan = self.packer.consider(
+            report,
+            costs_s,
+            self.parts,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            measured_step_s=float(np.median(recent)) if recent else None,
+        )
+        if plan is None:
+            return None
+        detail = plan.to_event()
+        recent_tps = self.result.tokens_per_s[-self.cfg.balance.interval :]
+        detail["measured_tokens_per_s_before"] = (
+            float(np.median(recent_tps)) if recent_tps else None
+        )
+        self.writer.log_event(step=report.step, kind="pack", detail=detail)
+        log.info("step %d: %s", report.step + 1, plan.reason)
+        if not plan.pack:
+            return None
+        return detail
+
+    def _record_migration(self, step: int, totals: list[MigrationStats]) -> None:
+        """Rank 0: log the migration and update the bandwidth the decision rule predicts with."""
+        moved = sum(t.bytes_sent for t in totals)
+        seconds = max(t.seconds for t in totals)
+        # The decision rule prices a migration as the busiest rank's bytes (sent plus received:
+        # they share the rank's progress and hashing threads) / bandwidth, so the bandwidth it
+        # learns is exactly that ratio, as this migration achieved it.
+        busiest = max(t.bytes_sent + t.bytes_received for t in totals)
+        if busiest and seconds > 0:
+            self.bandwidth_bytes_per_s = busiest / seconds
+        self.writer.log_event(
+            step=step,
+            kind="migrate",
+            detail={
+                "new_parts": self.parts,
+                "num_moves": totals[0].num_moves,
+                "bytes_moved": moved,
+                "seconds": seconds,
+            },
+        )
+        log.info(
+            "step %d: migrated %d layers (%.1f MB in %.3f s), partition now %s",
+            step + 1,
+            totals[0].num_moves,
+            moved / 1e6,
+            seconds,
+            self.parts,
+        )
+
+    def _record_and_decide(self, report: LoadReport) -> list[int] | None:
+        """Rank 0: write the report to the run log, smooth the costs, decide; the new partition
+        to migrate to, or None."""
+        self.writer.log_layer_report(
+            step=report.step,
+            forward_s=report.forward_s,
+            backward_s=report.backward_s,
+            num_params=report.num_params,
+            param_bytes=[s.param_bytes for s in report.sizes],
+            grad_bytes=[s.grad_bytes for s in report.sizes],
+            optim_bytes=[s.optim_bytes for s in report.sizes],
+            parts=self.parts,
+            peak_mem_bytes=report.peak_mem_bytes,
+        )
+        costs_s = self.tracker.update(report.forward_s, report.backward_s)
+        if self.cfg.balance.algorithm == "static" or report.step + 1 >= self.cfg.train.steps:
+            return None  # static, or after the last step: a migration could not pay back
+        plan = decide(
+            self.cfg.balance,
+            costs_s=costs_s,
+            num_params=report.num_params,
+            layer_bytes=report.layer_bytes,
+            parts=self.parts,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            report_index=self.num_reports,
+            steps_left=self.cfg.train.steps - (report.step + 1),
+        )
+        if plan.enact:
+            self.writer.log_event(step=report.step, kind="rebalance", detail=plan.to_event())
+            log.info("step %d: rebalance %s -> %s", report.step + 1, self.parts, plan.new_parts)
+        else:
+            log.debug("step %d: keep %s: %s", report.step + 1, self.parts, plan.reason)
+        return plan.parts_to_enact
