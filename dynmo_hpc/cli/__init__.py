@@ -1,10 +1,11 @@
 """``dynmo-hpc``: run jobs locally, plan partitions, report on and simulate runs, submit to SLURM.
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
-:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`, :mod:`~dynmo_hpc.cli.slurm` for
-``sbatch`` and ``submit``). The CLI is the only place that parses argv or prints; everything it
-calls logs or returns values, and nothing outside this package imports it. Every user error (a
-:class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes one ``error:`` line and exit code 2.
+:mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`,
+:mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``). The CLI is the only place that parses
+argv or prints; everything it calls logs or returns values, and nothing outside this package
+imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes
+one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
