@@ -187,6 +187,47 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def _write_results(
+    args: argparse.Namespace, base: dict[str, JobConfig], done: list[tuple[PlannedRun, RunFigures]]
+) -> tuple[str, DynmoError | None]:
+    """Summarize the runs done so far and (re)write the three files; returns the table text and
+    the first loss mismatch, if any (compared over the policies each repeat has finished)."""
+    rows: dict[str, dict[str, PolicyRow]] = {}
+    for scheme in args.schemes:
+        for policy in args.policies:
+            runs = [f for p, f in done if p.scheme == scheme and p.policy == policy]
+            if runs:
+                rows.setdefault(scheme, {})[policy] = summarize(scheme, policy, runs)
+    differences: dict[str, float] = {}
+    mismatch: DynmoError | None = None
+    for scheme in rows:
+        for repeat in range(args.repeats):
+            losses = {
+                p.policy: f.losses for p, f in done if p.scheme == scheme and p.repeat == repeat
+            }
+            worst = max_loss_difference(losses)
+            try:
+                check_same_losses(scheme, repeat, losses, args.loss_rtol)
+            except DynmoError as exc:
+                mismatch = mismatch or exc
+            differences[scheme] = max(differences.get(scheme, 0.0), worst)
+    repeats_done = min((row.repeats for r in rows.values() for row in r.values()), default=0)
+    command = _command(args)
+    setting = _setting(base, args)
+    if len(done) < args.repeats * len(args.schemes) * len(args.policies):
+        setting += f"\n\nPartial: {len(done)} runs done; at least {repeats_done} repeat(s) each."
+    text = render_markdown(rows, differences, command=command, setting=setting)
+    atomic_write_text(args.out / "results.md", text)
+    write_results_h5(
+        args.out / "results.h5",
+        done,
+        rows,
+        {"command": command, "repeats": args.repeats, "loss_rtol": args.loss_rtol},
+    )
+    write_chart(args.out / "results.png", rows)
+    return text, mismatch
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BenchError(f"--repeats={args.repeats} must be >= 1")
@@ -205,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
     )
     done: list[tuple[PlannedRun, RunFigures]] = []
+    text, mismatch = "", None
     t_start = time.perf_counter()
     for k, planned in enumerate(order):
         cfg0 = base[planned.scheme]
@@ -225,37 +267,9 @@ def run(args: argparse.Namespace) -> int:
             figures.wall_s,
             eta_s,
         )
+        # After every run, so an interrupted bench leaves the results of the runs it finished.
+        text, mismatch = _write_results(args, base, done)
 
-    rows: dict[str, dict[str, PolicyRow]] = {}
-    for scheme in args.schemes:
-        rows[scheme] = {}
-        for policy in args.policies:
-            runs = [f for p, f in done if p.scheme == scheme and p.policy == policy]
-            rows[scheme][policy] = summarize(scheme, policy, runs)
-    differences: dict[str, float] = {}
-    mismatch: DynmoError | None = None
-    for scheme in args.schemes:
-        for repeat in range(args.repeats):
-            losses = {
-                p.policy: f.losses for p, f in done if p.scheme == scheme and p.repeat == repeat
-            }
-            worst = max_loss_difference(losses)
-            try:
-                check_same_losses(scheme, repeat, losses, args.loss_rtol)
-            except DynmoError as exc:
-                mismatch = mismatch or exc
-            differences[scheme] = max(differences.get(scheme, 0.0), worst)
-
-    command = _command(args)
-    text = render_markdown(rows, differences, command=command, setting=_setting(base, args))
-    atomic_write_text(args.out / "results.md", text)
-    write_results_h5(
-        args.out / "results.h5",
-        done,
-        rows,
-        {"command": command, "repeats": args.repeats, "loss_rtol": args.loss_rtol},
-    )
-    write_chart(args.out / "results.png", rows)
     sys.stdout.write(text)
     print(f"wrote {args.out / 'results.md'}, results.h5, results.png")
     if mismatch is not None:
