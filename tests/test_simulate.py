@@ -6,16 +6,23 @@ run log)."""
 from __future__ import annotations
 
 import json
+import statistics
+from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from dynmo_hpc.balance.packing import predict_step_time_s
 from dynmo_hpc.cli import main
 from dynmo_hpc.cli import simulate as simulate_cli
 from dynmo_hpc.pipeline.schedule import Action, build_schedule
+from dynmo_hpc.runlog import RunLog
+from dynmo_hpc.sim.calibration import RunDecomposition, decompose, fit_overheads
+from dynmo_hpc.sim.machine import MachineModel, Overheads, load_machine, save_machine
 from dynmo_hpc.sim.orders import orders_from_actions, stage_orders
 from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.runlog_traces import measured_wall_s_per_cpu_s
 from dynmo_hpc.sim.step import simulate_step, stage_times_s, transfer_time_s
 
 # --- one step ----------------------------------------------------------------------------------
@@ -137,6 +144,9 @@ def test_explicit_orders_that_deadlock_are_refused() -> None:
         ({"num_microbatches": 0}, "num_microbatches"),
         ({"schedule": "zb"}, "unknown schedule"),
         ({"comm_s": -1.0}, "comm_s"),
+        ({"action_overhead_s": float("inf")}, "action_overhead_s"),
+        ({"stage_overhead_s": [1.0]}, "stage_overhead_s has 1 entries"),
+        ({"stage_overhead_s": [1.0, -1.0]}, "stage_overhead_s"),
     ],
 )
 def test_bad_step_inputs_are_value_errors(kwargs: dict[str, object], match: str) -> None:
@@ -149,6 +159,21 @@ def test_bad_step_inputs_are_value_errors(kwargs: dict[str, object], match: str)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         simulate_step(**args)  # type: ignore[arg-type]
+
+
+def test_action_overhead_lengthens_every_action() -> None:
+    """P=2, M=2, f=b=1 plus 0.5 s an action: equal stages of f=b=1.5, so (M + P - 1) x 3 = 9;
+    busy M x (f + b + 2 x 0.5) = 6. GPipe with one microbatch: four actions in a row, 6 s."""
+    result = simulate_step([1.0, 1.0], [1.0, 1.0], 2, "1f1b", action_overhead_s=0.5)
+    assert (result.step_time_s, result.busy_s, result.idle_s) == (9.0, [6.0, 6.0], [3.0, 3.0])
+    assert simulate_step([1.0] * 2, [1.0] * 2, 1, "gpipe", action_overhead_s=0.5).step_time_s == 6.0
+
+
+def test_stage_overhead_adds_the_largest_to_the_makespan() -> None:
+    """The 9 s step of P=2, M=2, f=1, b=2, then 0.5 s and 2 s after each stage's schedule: the
+    gather waits for the slower optimizer, 9 + 2 = 11; busy 6 + 0.5 and 6 + 2."""
+    result = simulate_step([1.0, 1.0], [2.0, 2.0], 2, "1f1b", stage_overhead_s=[0.5, 2.0])
+    assert (result.step_time_s, result.busy_s, result.idle_s) == (11.0, [6.5, 8.0], [4.5, 3.0])
 
 
 # --- replay ------------------------------------------------------------------------------------
@@ -199,6 +224,18 @@ def test_replay_migrates_when_it_pays_and_charges_the_move() -> None:
         assert dynamic.tokens_per_s(10.0) == pytest.approx(60.0 / 72.0)
 
 
+def test_replay_calibrated_terms_hand_computed() -> None:
+    """4 layers of 3 CPU s (100 parameters each) on [0,2,4], M=2: f=1, b=2 a microbatch, 9 s.
+    Wall per CPU 2: f=2, b=4. Each action +0.25 CPU s: f=2.5, b=4.5, makespan 3 x 7 = 21 s.
+    After the schedule 0.5 + 0.01 x 200 = 2.5 CPU s, i.e. 5 s: 26 s. Each interval's last step
+    also reports, 1 CPU s, 2 s: 28 s."""
+    report = replace(_report([3.0] * 4), wall_s_per_cpu_s=2.0)
+    overheads = Overheads(action_s=0.25, optimizer_s_per_param=0.01, step_s=0.5, report_s=1.0)
+    result = replay([report], replace(SETUP, overheads=overheads), "uniform")
+    assert result.step_times_s == [26.0, 28.0] * 3
+    assert replay([report], SETUP, "uniform").step_times_s == [18.0] * 6  # the ratio alone
+
+
 def test_replay_keeps_the_partition_when_migration_costs_more() -> None:
     """The same history, but each layer weighs 10 GB: 10 s of migration > 6 s of gain."""
     reports = [_report([3.0] * 4, 10**10), _report([9.0, 3.0, 3.0, 3.0], 10**10)]
@@ -224,6 +261,9 @@ def test_parameters_policy_splits_by_parameter_count() -> None:
         ([_report([1.0, float("nan")])], SETUP, "uniform", "finite"),
         ([_report([1.0, 1.0])], ReplaySetup(num_stages=2, num_microbatches=0), "uniform", ">= 1"),
         ([_report([1.0, 1.0]), _report([1.0, 1.0, 1.0])], SETUP, "uniform", "same layers"),
+        ([replace(_report([1.0, 1.0]), wall_s_per_cpu_s=0.0)], SETUP, "uniform", "wall_s_per"),
+        ([replace(_report([1.0] * 2), step_wall_s_per_cpu_s=[-1.0])], SETUP, "uniform", "> 0"),
+        ([_report([1.0] * 2)], replace(SETUP, overheads=Overheads(step_s=-1)), "uniform", "step_s"),
     ],
 )
 def test_bad_replay_inputs_are_value_errors(
@@ -231,6 +271,129 @@ def test_bad_replay_inputs_are_value_errors(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         replay(reports, setup, policy)
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+
+def _run_log(step_time_s: list[float]) -> RunLog:
+    """A hand-made run log: P=2, M=2, static, one layer a stage (0.125 s forward, 0.25 s backward
+    of CPU, 1000 and 3000 parameters), reports at steps 1 and 3, 0.75 s a stage in layers."""
+    steps = range(len(step_time_s))
+    reports = [1, 3]
+    config = {
+        "pipeline": {"num_stages": 2, "schedule": "1f1b"},
+        "train": {"num_microbatches": 2},
+        "balance": {"algorithm": "static"},
+    }
+    times = [(t, s, 0.75, 0.125 if s == 0 else 0.0625) for t in steps for s in (0, 1)]
+    costs = [(r, layer, 0.125, 0.25, 1000 + 2000 * layer) for r in reports for layer in (0, 1)]
+    return RunLog(
+        path=Path("hand.h5"),
+        attrs={},
+        config=config,
+        steps=pd.DataFrame({"step": list(steps), "step_time_s": step_time_s}),
+        stage_times=pd.DataFrame(times, columns=["step", "stage", "compute_s", "idle_s"]),
+        layer_costs=pd.DataFrame(
+            costs, columns=["step", "layer", "forward_s", "backward_s", "num_params"]
+        ),
+        partitions=pd.DataFrame(
+            [(r, s, s, s + 1) for r in reports for s in (0, 1)],
+            columns=["step", "stage", "start_layer", "end_layer"],
+        ),
+        events=pd.DataFrame(),
+        superseded={},
+    )
+
+
+def test_measured_wall_per_cpu_per_step() -> None:
+    """Per step 1.5 s of wall in layers (both stages) for 0.75 s of CPU: 2. A step with 7.5 s in
+    layers (another process took the cores) has its own ratio, 10."""
+    run = _run_log([1.0, 1.25, 1.0, 1.25])
+    assert measured_wall_s_per_cpu_s(run, [1, 3]) == [[2.0, 2.0], [2.0, 2.0]]
+    compute_s = [0.75] * 4 + [3.75] * 2 + [0.75] * 2
+    spiked = replace(run, stage_times=run.stage_times.assign(compute_s=compute_s))
+    assert measured_wall_s_per_cpu_s(spiked, [1, 3]) == [[2.0, 2.0], [10.0, 2.0]]
+    empty = replace(run, stage_times=run.stage_times[run.stage_times["step"] > 1])
+    assert measured_wall_s_per_cpu_s(empty, [1, 3]) == [None, [2.0, 2.0]]
+
+
+def test_replay_per_step_ratios() -> None:
+    """The 9 s step of 4 layers of 3 CPU s, at ratios 1, 3 within the first interval; the second
+    report has none listed, so its median-like ``wall_s_per_cpu_s`` (2) holds."""
+    first = replace(_report([3.0] * 4), wall_s_per_cpu_s=2.0, step_wall_s_per_cpu_s=[1.0, 3.0])
+    second = replace(_report([3.0] * 4), wall_s_per_cpu_s=2.0)
+    result = replay([first, second], replace(SETUP, num_steps=4), "uniform")
+    assert result.step_times_s == [9.0, 27.0, 18.0, 18.0]
+    # Past the last report, its costs repeat at its own wall_s_per_cpu_s, not its step list.
+    assert replay([first], replace(SETUP, num_steps=4), "uniform").step_times_s == [9, 27, 18, 18]
+
+
+def test_decompose_hand_run() -> None:
+    """Steps of 1 s (1.25 s with a report): stage 0 has 0.75 s in layers, 0.125 s idle, so
+    0.125 s of rest (0.0625 CPU s at k=2), and 0.25 s more on report steps (0.125 CPU s)."""
+    d = decompose(_run_log([1.0, 1.25, 1.0, 1.25]), "hand")
+    assert (d.num_stages, d.num_microbatches, d.schedule, d.policy) == (2, 2, "1f1b", "uniform")
+    assert d.step_s == 1.125
+    assert d.compute_s == [0.75, 0.75] and d.layer_cpu_s == [0.375, 0.375]
+    assert d.idle_s == [0.125, 0.0625] and d.rest_s == [0.125, 0.1875]
+    assert d.wall_s_per_cpu_s == 2.0 and d.stage_params == [1000, 3000]
+    assert (d.rest_cpu_s, d.report_cpu_s) == (0.0625, 0.125)
+    assert d.report_extra_s == 0.25
+
+
+def _decomposition(m: int, rest_cpu_s: float, report_cpu_s: float = 0.0) -> RunDecomposition:
+    return RunDecomposition(
+        name=f"m{m}", num_stages=2, num_microbatches=m, schedule="1f1b", policy="uniform",
+        step_s=1.0, compute_s=[], layer_cpu_s=[], idle_s=[], rest_s=[], report_extra_s=0.0,
+        wall_s_per_cpu_s=1.0, stage_params=[10**6, 5 * 10**5], rest_cpu_s=rest_cpu_s,
+        report_cpu_s=report_cpu_s,
+    )  # fmt: skip
+
+
+def test_fit_overheads_recovers_hand_constants() -> None:
+    """rest = 2M x 1 ms + 5 ms + 10 ns x 10**6 parameters: M=4 gives 23 ms, M=8 31 ms."""
+    runs = [_decomposition(4, 0.023, 0.002), _decomposition(8, 0.031, 0.004)]
+    fitted = fit_overheads([*runs, _decomposition(8, 0.031, 0.003)], 1e-8)
+    assert fitted.action_s == pytest.approx(0.001) and fitted.step_s == pytest.approx(0.005)
+    assert (fitted.optimizer_s_per_param, fitted.report_s) == (1e-8, pytest.approx(0.003))
+    # More microbatches but less rest: no negative action cost, the mean of 20 and 10 ms.
+    shrinking = fit_overheads([_decomposition(4, 0.03), _decomposition(8, 0.02)], 1e-8)
+    assert shrinking.action_s == 0.0 and shrinking.step_s == pytest.approx(0.015)
+    single = fit_overheads([_decomposition(4, 0.03)], 0.0)  # one M: all of it per step
+    assert (single.action_s, single.step_s) == (0.0, pytest.approx(0.03))
+
+
+def test_machine_file_round_trip(tmp_path: Path) -> None:
+    model = MachineModel(
+        overheads=Overheads(action_s=1e-4, optimizer_s_per_param=2e-8, step_s=3e-3, report_s=0.01),
+        latency_s=5e-5,
+        bandwidth_bytes_per_s=2e9,
+        notes={"fitted_on": ["a", "b"]},
+    )
+    save_machine(model, tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json") == model
+    (tmp_path / "partial.json").write_text('{"step_overhead_s": 1}')
+    assert load_machine(tmp_path / "partial.json") == MachineModel(overheads=Overheads(step_s=1.0))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[1]", "one JSON object"),
+        ('{"step_overhead": 1}', "unknown machine key.s. step_overhead;"),
+        ('{"step_overhead_s": "1"}', "step_overhead_s='1' must be a number"),
+        ('{"latency_s": true}', "must be a number"),
+        ('{"action_overhead_s": -1}', "action_overhead_s=-1.0 must be >= 0"),
+        ('{"bandwidth_bytes_per_s": 0}', "bandwidth_bytes_per_s=0.0 must be > 0"),
+        ('{"notes": 3}', "notes must be a JSON object"),
+        ("step_overhead_s = 1", "is not JSON"),
+    ],
+)
+def test_bad_machine_files_are_value_errors(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "m.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_machine(tmp_path / "m.json")
 
 
 # --- dynmo-hpc simulate ------------------------------------------------------------------------
@@ -284,6 +447,36 @@ def test_cli_logs_progress_of_a_long_replay(
     assert list(json.loads(out)) == ["optimal"]
 
 
+def test_cli_machine_file_and_wall_per_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The replay test's hand case through the command: 26 s and 28 s (report) steps, median
+    27, 2 tokens a step; the machine's latency applies unless --latency-s overrides it."""
+    machine = tmp_path / "machine.json"
+    terms = {
+        "action_overhead_s": 0.25,
+        "optimizer_s_per_param": 0.01,
+        "step_overhead_s": 0.5,
+        "report_overhead_s": 1.0,
+    }
+    machine.write_text(json.dumps({**terms, "latency_s": 0.0, "wall_s_per_cpu_s": 2.0}))
+    costs = ["--costs", "3,3,3,3", "--params", "100,100,100,100", "--stages", "2"]
+    argv = [*costs, "--microbatches", "2", "--interval", "2", "--steps", "6", "--json"]
+    rc, out, err = _cli([*argv, "--policies", "uniform", "--machine", str(machine)], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["uniform"] == {"step_time_s": 27.0, "tokens_per_s": 12 / 162}
+    # --wall-per-cpu overrides the file's ratio: 1 gives f=1.25, b=2.25 (10.5), + 2.5, + 1.
+    rc, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine),
+                       "--wall-per-cpu", "1"], capsys)  # fmt: skip
+    assert json.loads(out)["uniform"]["step_time_s"] == 13.5
+    machine.write_text(json.dumps({**terms, "latency_s": 1.0}))
+    _, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine)], capsys)
+    latency = json.loads(out)["uniform"]["step_time_s"]
+    _, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine),
+                      "--latency-s", "0"], capsys)  # fmt: skip
+    assert latency > json.loads(out)["uniform"]["step_time_s"] == 13.5
+
+
 def _one_error_line(rc: int, out: str, err: str) -> str:
     assert rc == 2 and out == ""
     lines = err.strip().splitlines()
@@ -311,6 +504,11 @@ def _one_error_line(rc: int, out: str, err: str) -> str:
         (["--costs", "1,x", "--stages", "2"], "comma-separated numbers"),
         (["--stages", "2"], "one of the arguments --from --costs is required"),
         (["--from", "/nonexistent/run.h5"], "no run log"),
+        ([*COSTS, "--wall-per-cpu", "run"], "--wall-per-cpu run needs --from"),
+        ([*COSTS, "--wall-per-cpu", "run-interval"], "--wall-per-cpu run-interval needs --from"),
+        ([*COSTS, "--wall-per-cpu", "fast"], "neither a number nor 'run'"),
+        ([*COSTS, "--wall-per-cpu", "0"], "must be finite and > 0"),
+        ([*COSTS, "--machine", "/nonexistent/machine.json"], "cannot read machine file"),
     ],
 )
 def test_cli_bad_input_is_one_error_line(
@@ -360,18 +558,28 @@ def test_cli_from_a_real_run_log(tiny_run: Path, capsys: pytest.CaptureFixture[s
     for values in result.values():
         assert values["step_time_s"] > 0
     # Static uniform on the run's own partition: tokens/s is tokens per step over the mean step.
-    uniform = replay(
-        traces.reports,
-        ReplaySetup(
-            num_stages=2,
-            num_microbatches=4,
-            interval=2,
-            comm_s=transfer_time_s(0.0, 100e9 / 8, traces.activation_bytes),
-        ),
-        "uniform",
+    uniform_setup = ReplaySetup(
+        num_stages=2,
+        num_microbatches=4,
+        interval=2,
+        comm_s=transfer_time_s(0.0, 100e9 / 8, traces.activation_bytes),
     )
+    uniform = replay(traces.reports, uniform_setup, "uniform")
     assert result["uniform"]["step_time_s"] == pytest.approx(uniform.median_step_time_s)
     assert result["uniform"]["tokens_per_s"] == pytest.approx(uniform.tokens_per_s(64 * 4))
+    # --wall-per-cpu run: each step's costs stretched by its ratio measured from the log.
+    rc, out, err = _cli(["--from", str(tiny_run), "--policies", "uniform", "--json",
+                         "--wall-per-cpu", "run"], capsys)  # fmt: skip
+    assert rc == 0, err
+    measured = traces.step_wall_s_per_cpu_s
+    assert all(ks is not None and len(ks) == 2 and min(ks) > 0 for ks in measured)
+    stretched = [
+        replace(r, wall_s_per_cpu_s=statistics.median(ks), step_wall_s_per_cpu_s=ks)
+        for r, ks in zip(traces.reports, measured, strict=True)
+        if ks is not None
+    ]
+    expected = replay(stretched, replace(uniform_setup, num_steps=6), "uniform")
+    assert json.loads(out)["uniform"]["step_time_s"] == pytest.approx(expected.median_step_time_s)
     # The run directory works too, and --microbatches and --stages override the run's.
     rc, out, err = _cli(
         ["--from", str(tiny_run.parent), "--stages", "3", "--microbatches", "8"], capsys

@@ -18,8 +18,10 @@ import argparse
 import json
 import logging
 import math
+import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from dynmo_hpc.cli.errors import error_line
 from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
+from dynmo_hpc.sim.machine import MachineModel, load_machine
 from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
 from dynmo_hpc.sim.step import transfer_time_s
 
@@ -37,6 +40,10 @@ HINT = "see dynmo-hpc simulate --help"
 PROGRESS_EVERY_S = 5.0
 """A replay longer than this logs how far it got, this often."""
 DEFAULT_BANDWIDTH_GBPS = 100.0
+RUN = "run"
+"""``--wall-per-cpu run``: each step's ratio, measured from the replayed run log."""
+RUN_INTERVAL = "run-interval"
+"""``--wall-per-cpu run-interval``: one ratio per report interval, the median of its steps'."""
 COSTS_STEPS_PER_INTERVAL = 10
 """``--costs`` without ``--steps``: replay this many intervals (constant costs, so only the
 first decision matters; more would only take longer)."""
@@ -50,6 +57,20 @@ def _policies(text: str) -> list[str]:
             f"unknown policy {', '.join(unknown) or '(none)'}; choose from {','.join(POLICIES)}"
         )
     return names
+
+
+def _wall_per_cpu(text: str) -> float | str:
+    if text in (RUN, RUN_INTERVAL):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number nor {RUN!r} nor {RUN_INTERVAL!r}"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be finite and > 0")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -78,12 +99,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=list(POLICIES),
         help=f"comma-separated, default {','.join(POLICIES)}",
     )
-    p.add_argument("--latency-s", type=float, default=0.0, help="per message, default 0")
+    p.add_argument(
+        "--latency-s", type=float, help="per message (default: the machine file's, or 0)"
+    )
     bandwidth = p.add_mutually_exclusive_group()
     bandwidth.add_argument(
         "--bandwidth-gbps",
         type=float,
-        help=f"point-to-point Gbit/s (default {DEFAULT_BANDWIDTH_GBPS:g})",
+        help=f"point-to-point Gbit/s (default: the machine file's, or {DEFAULT_BANDWIDTH_GBPS:g})",
     )
     bandwidth.add_argument("--bandwidth-bytes-per-s", type=float, help="the same in bytes/s")
     p.add_argument(
@@ -110,6 +133,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         help="default: the run's micro_batch_size x seq_len, or 1",
     )
+    p.add_argument(
+        "--machine",
+        type=Path,
+        help="calibration JSON (benchmarks/calibrate_sim.py): CPU overheads per action, step, "
+        "parameter and report, latency, bandwidth (docs/simulate.md#calibration)",
+    )
+    p.add_argument(
+        "--wall-per-cpu",
+        type=_wall_per_cpu,
+        help="wall seconds per CPU second of rank work; 'run': each step's, measured from the "
+        "run log's stage times; 'run-interval': one per report, the median of its steps' "
+        "(default: the machine file's, or 1)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p
@@ -121,17 +157,22 @@ def _pick(given: Any, default: Any) -> Any:
 
 def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
     """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
+    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
     if args.bandwidth_bytes_per_s is not None:
         bandwidth = float(args.bandwidth_bytes_per_s)
+    elif args.bandwidth_gbps is not None:
+        bandwidth = args.bandwidth_gbps * 1e9 / 8
     else:
-        bandwidth = _pick(args.bandwidth_gbps, DEFAULT_BANDWIDTH_GBPS) * 1e9 / 8
+        bandwidth = _pick(machine.bandwidth_bytes_per_s, DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
+    latency_s = _pick(args.latency_s, _pick(machine.latency_s, 0.0))
+    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
     if args.run_log is not None:
         from dynmo_hpc.runlog import load
         from dynmo_hpc.sim.runlog_traces import traces_from_runlog
 
         path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
         traces = traces_from_runlog(load(path))
-        reports = traces.reports
+        reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
         interval = _pick(args.interval, traces.interval)
         defaults = {
             "stages": traces.num_stages,
@@ -144,7 +185,11 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         }
         smoothing = traces.smoothing
     else:
-        reports = [_constant_report(args)]
+        if wall_per_cpu in (RUN, RUN_INTERVAL):
+            raise ValueError(
+                f"--wall-per-cpu {wall_per_cpu} needs --from; HINT: give a number with --costs"
+            )
+        reports = _with_wall_per_cpu([_constant_report(args)], wall_per_cpu, [])
         interval = _pick(args.interval, 10)
         missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
         if missing:
@@ -164,7 +209,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
     microbatches = _pick(args.microbatches, value.get("microbatches"))
     if value["tokens_per_microbatch"] < 1:
         raise ValueError(f"--tokens-per-microbatch={value['tokens_per_microbatch']} must be >= 1")
-    comm_s = transfer_time_s(args.latency_s, bandwidth, float(value["activation_bytes"]))
+    comm_s = transfer_time_s(latency_s, bandwidth, float(value["activation_bytes"]))
     setup = ReplaySetup(
         num_stages=stages,
         num_microbatches=microbatches,
@@ -175,9 +220,34 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         bandwidth_bytes_per_s=bandwidth,
         margin=value["margin"],
         smoothing=smoothing,
+        overheads=machine.overheads,
     )
     setup.check()
     return reports, setup, int(value["tokens_per_microbatch"])
+
+
+def _with_wall_per_cpu(
+    reports: list[CostReport], ratio: float | str | None, measured: list[list[float] | None]
+) -> list[CostReport]:
+    """``reports`` with the wall-per-CPU ratio: a number for all, the run's own per step
+    (``run``) or per interval (``run-interval``), or unchanged (1) when none was asked for."""
+    if ratio is None:
+        return reports
+    if ratio not in (RUN, RUN_INTERVAL):
+        return [replace(r, wall_s_per_cpu_s=float(ratio)) for r in reports]
+    missing = [i for i, k in enumerate(measured) if k is None]
+    if missing:
+        raise ValueError(
+            f"--wall-per-cpu {ratio}: the run log has no stage times for report(s) {missing}; "
+            "HINT: give the ratio as a number"
+        )
+    out = []
+    for report, steps in zip(reports, measured, strict=True):
+        assert steps is not None
+        median = float(statistics.median(steps))
+        per_step = list(steps) if ratio == RUN else []
+        out.append(replace(report, wall_s_per_cpu_s=median, step_wall_s_per_cpu_s=per_step))
+    return out
 
 
 def _constant_report(args: argparse.Namespace) -> CostReport:

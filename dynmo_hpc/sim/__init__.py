@@ -7,4 +7,8 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
 - :mod:`~dynmo_hpc.sim.orders`: each stage's action order, as arrays (the trainer's schedules);
 - :mod:`~dynmo_hpc.sim.step`: one step, action by action;
 - :mod:`~dynmo_hpc.sim.replay`: a run's cost traces replayed under a partitioning policy.
+- :mod:`~dynmo_hpc.sim.machine`: the calibrated terms beyond layer compute (overheads, link,
+  wall seconds per CPU second) and their JSON file;
+- :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead
+  constants fitted from such splits.
 """

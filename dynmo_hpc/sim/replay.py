@@ -16,11 +16,18 @@ dynamic policy decides; an enacted partition runs from the next step, which also
 migration (busiest rank's bytes sent plus received / bandwidth). Steps past the last report keep
 its costs.
 
+Calibrated terms (:mod:`dynmo_hpc.sim.machine`, all 0 by default): a report's CPU-second costs
+and the setup's CPU overheads are stretched by the report's wall-per-CPU ratio (one for the
+interval, or one per step of it); each action pays ``action_s``, each stage ``step_s +
+optimizer_s_per_param x its parameters`` after the schedule, and the last step of each interval
+(the one that reports, as in the trainer) its ``report_s``.
+
 Pure: no clock, no I/O; the caller supplies the traces and may pass a progress callback.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -30,6 +37,7 @@ from dynmo_hpc.balance import partition
 from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.sim.machine import Overheads
 from dynmo_hpc.sim.step import simulate_step, stage_times_s
 
 #: Policies that keep the partition they start with.
@@ -49,9 +57,21 @@ class CostReport:
     """Parameter counts (the ``parameters`` policy's input)."""
     layer_bytes: list[int]
     """Bytes that travel when the layer migrates (weights, gradients, optimizer state)."""
+    wall_s_per_cpu_s: float = 1.0
+    """Wall seconds per CPU second while these costs were measured: the layer costs are thread
+    CPU time, the step is wall time, and ranks that share cores with other processes run
+    slower than their CPU clocks (:func:`dynmo_hpc.sim.runlog_traces.measured_wall_s_per_cpu_s`).
+    """
+    step_wall_s_per_cpu_s: list[float] = field(default_factory=list)
+    """Optionally, the ratio of each step of the interval, in order (the load of a shared
+    machine changes within an interval); steps beyond the list use ``wall_s_per_cpu_s``."""
 
     def check(self) -> None:
-        """Raise ValueError unless all four lists have one finite, non-negative value a layer."""
+        """Raise ValueError unless all four lists have one finite, non-negative value a layer
+        and every wall-per-CPU ratio is finite and > 0."""
+        for k in (self.wall_s_per_cpu_s, *self.step_wall_s_per_cpu_s):
+            if not (math.isfinite(k) and k > 0):
+                raise ValueError(f"wall_s_per_cpu_s={k!r} must be finite and > 0")
         n = len(check_values(self.forward_s, "forward_s"))
         for name in ("backward_s", "num_params", "layer_bytes"):
             values = check_values(getattr(self, name), name)
@@ -76,9 +96,12 @@ class ReplaySetup:
     """Point-to-point bandwidth migrations are priced with."""
     margin: float = 0.1
     smoothing: float = 0.5
+    overheads: Overheads = field(default_factory=Overheads)
+    """CPU seconds outside the layers (:class:`~dynmo_hpc.sim.machine.Overheads`); 0: none."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
+        self.overheads.check()
         for name in ("num_stages", "num_microbatches", "interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,14 +157,18 @@ def _initial_parts(policy: str, report: CostReport, num_stages: int) -> list[int
     return partition(costs, num_stages, "uniform")
 
 
-def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup) -> float:
-    m = setup.num_microbatches
+def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup, k: float) -> float:
+    """One step on ``parts`` with ``report``'s costs, in wall seconds at ``k`` wall per CPU."""
+    m, extra = setup.num_microbatches, setup.overheads
+    params = [sum(report.num_params[a:b]) for a, b in itertools.pairwise(parts)]
     return simulate_step(
-        stage_times_s(report.forward_s, parts, m),
-        stage_times_s(report.backward_s, parts, m),
+        [k * x for x in stage_times_s(report.forward_s, parts, m)],
+        [k * x for x in stage_times_s(report.backward_s, parts, m)],
         m,
         setup.schedule,
         comm_s=setup.comm_s,
+        action_overhead_s=k * extra.action_s,
+        stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
     ).step_time_s
 
 
@@ -176,10 +203,17 @@ def replay(
     report_index = 0
     while len(step_times_s) < num_steps:
         report = reports[min(report_index, len(reports) - 1)]
-        step_s = _step_time_s(report, parts, setup)
         steps = min(setup.interval, num_steps - len(step_times_s))
-        step_times_s.extend([step_s] * steps)
+        # Past the last report its costs repeat, at its typical (median) load.
+        per_step = report.step_wall_s_per_cpu_s if report_index < len(reports) else []
+        ratios = [
+            per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)
+        ]
+        simulated = {k: _step_time_s(report, parts, setup, k) for k in set(ratios)}
+        step_times_s.extend(simulated[k] for k in ratios)
         step_times_s[-steps] += pending_s
+        # The interval's last step is a report step (the trainer also reports after the last).
+        step_times_s[-1] += ratios[-1] * setup.overheads.report_s
         pending_s = 0.0
         latest = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
         a = setup.smoothing

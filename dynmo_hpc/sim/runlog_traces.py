@@ -35,6 +35,10 @@ class RunTraces:
     """``train.micro_batch_size * model.seq_len``."""
     activation_bytes: int
     """One microbatch's activations between stages: batch x sequence x width x 4 bytes."""
+    step_wall_s_per_cpu_s: list[list[float] | None]
+    """Per report, per step of its interval (in order): the step's wall seconds in layers
+    (``stage_times.compute_s``, all stages) over the report's thread CPU seconds per step; None
+    where the log has no stage times for those steps. See :func:`measured_wall_s_per_cpu_s`."""
 
 
 def _section(config: dict[str, Any], name: str) -> dict[str, Any]:
@@ -45,6 +49,35 @@ def _section(config: dict[str, Any], name: str) -> dict[str, Any]:
             "HINT: pass a run.h5 written by `dynmo-hpc run`"
         )
     return section
+
+
+def measured_wall_s_per_cpu_s(run: RunLog, report_steps: list[int]) -> list[list[float] | None]:
+    """Per load report and per step it covers, how much slower than its CPU clock the run's
+    layers ran, measured.
+
+    Why from the run itself: on a machine whose cores are shared (more ranks than cores, or
+    other jobs), the ratio changes from run to run and, with other users' load, from one second
+    to the next; nothing measured before the run can know it. The run log holds both clocks for
+    the same work: each stage's wall seconds in its layers per step (``compute_s``) and each
+    layer's thread CPU seconds (the report, a mean over its interval). Both cover only the
+    layers, not the step's waits or overheads, which the simulator predicts. Report ``r`` covers
+    the steps after report ``r - 1`` up to and including its own; a report whose steps have no
+    stage times (or no CPU cost) gets None.
+    """
+    times = run.stage_times
+    costs = run.layer_costs
+    out: list[list[float] | None] = []
+    previous = -1
+    for step in report_steps:
+        rows = times[(times["step"] > previous) & (times["step"] <= step)]
+        report = costs[costs["step"] == step]
+        cpu_per_step_s = float((report["forward_s"] + report["backward_s"]).sum())
+        wall_per_step_s = rows.groupby("step")["compute_s"].sum().sort_index()
+        ratios = [float(w) / cpu_per_step_s for w in wall_per_step_s] if cpu_per_step_s > 0 else []
+        usable = bool(ratios) and all(math.isfinite(k) and k > 0 for k in ratios)
+        out.append(ratios if usable else None)
+        previous = step
+    return out
 
 
 def traces_from_runlog(run: RunLog) -> RunTraces:
@@ -89,4 +122,5 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
         smoothing=float(balance["smoothing"]),
         tokens_per_microbatch=micro_batch * seq_len,
         activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
+        step_wall_s_per_cpu_s=measured_wall_s_per_cpu_s(run, steps),
     )

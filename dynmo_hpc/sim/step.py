@@ -11,7 +11,12 @@ themselves:
   and forward ``i`` on stage ``s - 1`` has finished and its activations have arrived;
 - backward ``i`` on stage ``s`` waits the same way for backward ``i`` on stage ``s + 1``;
 - one transfer takes ``latency_s + activation_bytes / bandwidth_bytes_per_s`` and occupies
-  neither stage's compute (sends are asynchronous; links never contend).
+  neither stage's compute (sends are asynchronous; links never contend);
+- optionally (both 0 by default): each action also takes ``action_overhead_s`` (posting its
+  receive and send, the runner's Python), and after its schedule each stage spends its
+  ``stage_overhead_s`` (optimizer, clipping). The trainer's clipping all-reduce waits for every
+  stage's schedule and the gather that ends the step waits for every optimizer, so the step is
+  the schedule's makespan plus the largest stage overhead.
 
 How it stays fast: actions are processed in rounds, all stages at once with numpy. In each
 round every stage whose next action has its input ready runs it, so the number of rounds is the
@@ -41,9 +46,11 @@ class StepResult:
     """What one simulated step took, overall and per stage."""
 
     step_time_s: float
-    """Makespan: from the first forward's start to the last backward's end."""
+    """Makespan (from the first forward's start to the last backward's end) plus the largest
+    stage overhead; without overheads, the makespan."""
     busy_s: list[float]
-    """Per stage: seconds computing (its forwards and backwards)."""
+    """Per stage: seconds computing (its forwards and backwards, their action overheads and
+    its stage overhead)."""
     idle_s: list[float]
     """Per stage: ``step_time_s - busy_s`` (bubble and waits for input)."""
 
@@ -86,6 +93,8 @@ def simulate_step(
     *,
     comm_s: float = 0.0,
     orders: StageOrders | None = None,
+    action_overhead_s: float = 0.0,
+    stage_overhead_s: Sequence[float] | None = None,
 ) -> StepResult:
     """Simulate one step of ``num_microbatches`` on ``len(forward_s)`` stages.
 
@@ -95,6 +104,9 @@ def simulate_step(
         schedule: ``"1f1b"`` or ``"gpipe"`` (``pipeline.schedule``).
         comm_s: seconds per transfer between neighbouring stages (:func:`transfer_time_s`).
         orders: explicit per-stage action orders instead of ``schedule``'s.
+        action_overhead_s: seconds every forward and every backward takes besides its compute.
+        stage_overhead_s: per stage, seconds after its schedule (optimizer and clipping);
+            None: 0 on every stage.
 
     Example: GPipe, 2 stages, 2 microbatches, forward 1 s, backward 2 s, no communication:
     ``simulate_step([1, 1], [2, 2], 2, "gpipe").step_time_s == 9.0``.
@@ -104,15 +116,21 @@ def simulate_step(
         raise ValueError("forward_s must have one entry per stage (at least one)")
     fwd = _durations(forward_s, "forward_s", num_stages)
     bwd = _durations(backward_s, "backward_s", num_stages)
-    if not (math.isfinite(comm_s) and comm_s >= 0):
-        raise ValueError(f"comm_s={comm_s!r} must be finite and >= 0")
+    for name, value in (("comm_s", comm_s), ("action_overhead_s", action_overhead_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be finite and >= 0")
+    tail = (
+        np.zeros(num_stages)
+        if stage_overhead_s is None
+        else _durations(stage_overhead_s, "stage_overhead_s", num_stages)
+    )
     if orders is None:
         orders = stage_orders(schedule, num_stages, num_microbatches)
     elif orders.num_stages != num_stages or orders.num_microbatches != num_microbatches:
         raise ValueError("orders must have one row per stage and 2 actions per microbatch")
-    end_s = _run_rounds(orders, fwd, bwd, comm_s)
-    step_time_s = float(end_s.max())
-    busy = num_microbatches * (fwd + bwd)
+    end_s = _run_rounds(orders, fwd + action_overhead_s, bwd + action_overhead_s, comm_s)
+    step_time_s = float(end_s.max() + tail.max())
+    busy = num_microbatches * (fwd + bwd + 2 * action_overhead_s) + tail
     return StepResult(
         step_time_s=step_time_s,
         busy_s=[float(x) for x in busy],

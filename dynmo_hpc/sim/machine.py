@@ -1,0 +1,165 @@
+"""What a step costs beyond its layers' compute: the calibrated terms of the simulator.
+
+Why: the run log's layer costs are the thread CPU seconds of each layer's forward and backward,
+and nothing else. A measured step also spends wall time on work outside the layers (the
+optimizer, the clipping all-reduce and the gather, posting each send and receive, the load
+report) and, on a machine with more runnable processes than cores, runs every CPU second slower
+than one wall second. Without these terms the simulator predicted about half (on a loaded
+2-core machine, a third) of the measured step. Each term here is an explicit input with a unit,
+0 (or 1 for the ratio) by default, so a simulation without a machine file is exactly the
+compute-only model the hand-computed tests check.
+
+The values come from ``benchmarks/calibrate_sim.py``: the optimizer's seconds per parameter and
+the link's latency and bandwidth are measured directly on the machine; the per-step, per-action
+and per-report constants are fitted on calibration runs' decomposition (never on the run they
+then predict); the wall-per-CPU ratio is measured from the replayed run's own stage times
+(``docs/simulate.md``, "Calibration"). It writes them as one JSON object that
+``dynmo-hpc simulate --machine FILE`` reads with :func:`load_machine`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """CPU seconds a stage spends outside its layers' forward and backward.
+
+    All in CPU seconds of one rank, like the layer costs they sit beside: the replay multiplies
+    them by the same wall-per-CPU ratio as the layers, because on a shared machine they are
+    stretched the same way.
+    """
+
+    action_s: float = 0.0
+    """Per forward or per backward action: posting its receive and send, the runner's Python."""
+    optimizer_s_per_param: float = 0.0
+    """Per trainable parameter on the stage, per step: gradient norm, clipping scale, AdamW."""
+    step_s: float = 0.0
+    """Per step, once: the clipping all-reduce, the gather of losses and stage times."""
+    report_s: float = 0.0
+    """Per load report (every ``balance.interval`` steps): gather, run-log write, decision."""
+
+    def check(self) -> None:
+        """Raise ValueError unless every term is finite and >= 0."""
+        for item in fields(self):
+            _non_negative(item.name, getattr(self, item.name))
+
+    def stage_tail_s(self, num_params: int) -> float:
+        """CPU seconds after the schedule on a stage holding ``num_params`` parameters."""
+        return self.step_s + self.optimizer_s_per_param * num_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineModel:
+    """A calibration file: the overheads, the link, and optionally a wall-per-CPU ratio."""
+
+    overheads: Overheads = field(default_factory=Overheads)
+    latency_s: float | None = None
+    """Seconds per message between neighbouring ranks, waking the waiting rank included."""
+    bandwidth_bytes_per_s: float | None = None
+    """Point-to-point bytes per second (activation transfers and migrations)."""
+    wall_s_per_cpu_s: float | None = None
+    """Wall seconds per CPU second of rank work (>= 1 when ranks share cores); None: not fixed
+    by the file (``--wall-per-cpu`` decides; 1 without it)."""
+    notes: dict[str, Any] | None = None
+    """Free-form provenance (what was measured, on which runs); never read by the simulator."""
+
+    def check(self) -> None:
+        """Raise ValueError on a value no machine could have."""
+        self.overheads.check()
+        if self.latency_s is not None:
+            _non_negative("latency_s", self.latency_s)
+        for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _non_negative(name, value)
+                if value == 0:
+                    raise ValueError(f"{name}={value!r} must be > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat JSON object :func:`load_machine` reads."""
+        out: dict[str, Any] = {
+            "action_overhead_s": self.overheads.action_s,
+            "optimizer_s_per_param": self.overheads.optimizer_s_per_param,
+            "step_overhead_s": self.overheads.step_s,
+            "report_overhead_s": self.overheads.report_s,
+        }
+        for name in ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "notes"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+_OVERHEAD_KEYS = {
+    "action_overhead_s": "action_s",
+    "optimizer_s_per_param": "optimizer_s_per_param",
+    "step_overhead_s": "step_s",
+    "report_overhead_s": "report_s",
+}
+_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s")
+
+
+def _non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if value < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0")
+
+
+def _number(name: str, value: object) -> float:
+    """JSON ints are numbers too; anything else (a string, a bool, null) is refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}={value!r} must be a number")
+    return float(value)
+
+
+def machine_from_json(data: object) -> MachineModel:
+    """A :class:`MachineModel` from a parsed JSON object; ValueError names the bad key.
+
+    Unknown keys are refused, so a misspelt term cannot silently stay 0.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"a machine file holds one JSON object, not {type(data).__name__}")
+    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, "notes"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown machine key(s) {', '.join(unknown)}; known: {sorted(known)}")
+    values = {key: _number(key, data[key]) for key in _OVERHEAD_KEYS if key in data}
+    for key, value in values.items():
+        _non_negative(key, value)  # named as in the file, not as the attribute
+    overheads = Overheads(**{_OVERHEAD_KEYS[key]: value for key, value in values.items()})
+    optional = {key: _number(key, data[key]) for key in _OPTIONAL_KEYS if key in data}
+    notes = data.get("notes")
+    if notes is not None and not isinstance(notes, dict):
+        raise ValueError("notes must be a JSON object")
+    model = MachineModel(overheads=overheads, notes=notes, **optional)
+    model.check()
+    return model
+
+
+def load_machine(path: Path) -> MachineModel:
+    """Read a machine file (``benchmarks/calibrate_sim.py --write-machine``)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read machine file {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"machine file {path} is not JSON: {exc}") from None
+    try:
+        return machine_from_json(data)
+    except ValueError as exc:
+        raise ValueError(f"machine file {path}: {exc}") from None
+
+
+def save_machine(model: MachineModel, path: Path) -> None:
+    """Write ``model`` as the JSON :func:`load_machine` reads back unchanged."""
+    model.check()
+    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
