@@ -215,6 +215,7 @@ DEFAULT_JOB = ROOT / "jobs" / "default.yaml"
         ("schemes.moe={d_ff_expert: 0}", r"d_ff_expert=0 must be >= 1 or null"),
         ("schemes.moe={d_ff_expert: 1e3}", r"schemes.moe.d_ff_expert='1e3' must be an integer"),
         ("schemes.moe={overflow: spill}", r"choose one of \['drop', 'reroute'\]"),
+        ("schemes.moe={dispatch: pad}", r"choose one of \['gather', 'padded'\]"),
         ("schemes.early_exit={exit_loss_weight: .nan}", r"exit_loss_weight=nan must be a finite"),
         ("schemes.early_exit={exit_loss_weight: 1e9}", r"exit_loss_weight=1000000000.0 > 100.0"),
         ("schemes.early_exit={threshold: 1.5}", r"early_exit.threshold=1.5 must be in \[0, 1\]"),
@@ -222,8 +223,12 @@ DEFAULT_JOB = ROOT / "jobs" / "default.yaml"
         ("schemes.pruning={initial_sparsity: -0.1}", r"need 0 <= initial <= final < 1"),
         ("schemes.mod={capacity: 0}", r"schemes.mod capacities \[0.0\] must be in \(0, 1\]"),
         ("schemes.mod={capacity: 1.5}", r"must be in \(0, 1\]"),
+        ("schemes.mod={initial_capacity: 0}", r"capacities \[0.125, 0.0\] must be in \(0, 1\]"),
+        ("schemes.mod={anneal_start_step: 9, anneal_end_step: 3}", r"need 0 <= anneal_start"),
+        ("schemes.mod={anneal_end_step: 10000000000}", r"anneal_end_step=10000000000 > 1000000000"),
         ("schemes.sparse_attention={density: 2}", r"densities \[2.0\] must be in \(0, 1\]"),
         ("schemes.sparse_attention={drift_factor: -1}", r"need drift_factor > 0"),
+        ("schemes.sparse_attention={initial_density: 1.5}", r"densities \[0.5, 1.5\] must be"),
         ("schemes.freezing={threshold: -1}", r"need threshold >= 0"),
         ("schemes.freezing={interval_steps: 0}", r"interval_steps >= 1"),
         ("schemes.moe=[1]", r"schemes.moe must be a mapping"),
@@ -269,10 +274,12 @@ NON_FINITE_OVERRIDES = [
     "schemes.sparse_attention={density: nan}",
     "schemes.sparse_attention={drift_factor: .inf}",
     "schemes.sparse_attention={layer_density: [nan, 1, 1, 1, 1, 1, 1, 1]}",
+    "schemes.sparse_attention={initial_density: nan}",
     "schemes.early_exit={threshold: nan}",
     "schemes.early_exit={exit_loss_weight: .inf}",
     "schemes.mod={capacity: nan}",
     "schemes.mod={layer_capacity: [nan, 1, 1, 1]}",
+    "schemes.mod={initial_capacity: .inf}",
 ]
 """One NaN or infinity for every float key of every section (checked to be complete below)."""
 

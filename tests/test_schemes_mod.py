@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from dynmo_hpc.config import MoDSection
 from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
-from dynmo_hpc.model.schemes.mod import tokens_processed
-from tests.helpers.local_pipeline import scheme_config
+from dynmo_hpc.model.schemes.mod import capacity_at, tokens_processed
+from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
 
 
 def _ctx() -> MicrobatchContext:
@@ -65,3 +66,38 @@ def test_router_learns_through_the_block_update(tmp_path):
     out.square().sum().backward()
     assert block.depth_router.proj.weight.grad is not None
     assert float(block.depth_router.proj.weight.grad.abs().sum()) > 0
+
+
+def test_capacity_anneals_linearly_from_the_shared_start_to_each_blocks_own():
+    section = MoDSection(initial_capacity=1.0, anneal_start_step=10, anneal_end_step=30)
+    got = [capacity_at(section, 0.125, t) for t in (0, 10, 20, 30, 99)]
+    assert got == [1.0, 1.0, 0.5625, 0.125, 0.125]
+    assert capacity_at(section, 0.5, 20) == 0.75
+    assert capacity_at(MoDSection(), 0.25, 0) == 0.25  # no annealing: the own capacity
+    jump = MoDSection(initial_capacity=1.0, anneal_start_step=5, anneal_end_step=5)
+    assert [capacity_at(jump, 0.25, t) for t in (5, 6)] == [1.0, 0.25]
+
+
+def test_annealed_blocks_start_dense_and_reach_their_own_capacity(tmp_path):
+    cfg = scheme_config(
+        tmp_path,
+        "mod",
+        "schemes.mod.initial_capacity=1.0",
+        "schemes.mod.anneal_end_step=3",
+    )
+    block = build_layer(cfg, 2)
+    assert float(block.depth_router.current_capacity) == 1.0
+    assert "depth_router.current_capacity" in block.state_dict()  # checkpointed
+    block({"h": torch.randn(2, 32, 32)}, _ctx())
+    assert block.depth_router.last_selected.shape == (2, 32)  # dense at the start
+    run = train_local_pipeline(cfg, [0, 3, 6], 4)
+    reports = [e for e in run.events if e["kind"] == "scheme_stats"]
+    first, last = reports[0]["layers"], reports[-1]["layers"]
+    for i, capacity in ((1, 0.5), (2, 0.25), (4, 0.75)):
+        assert last[str(i)]["depth_router.capacity"] == capacity
+        seen = last[str(i)]["depth_router.tokens"]
+        # Steps 2-3 ran two thirds of the way and at the own capacity: fewer tokens than 0-1.
+        assert last[str(i)]["depth_router.processed"] < first[str(i)]["depth_router.processed"]
+        assert last[str(i)]["depth_router.processed"] < seen
+    plain = build_layer(scheme_config(tmp_path, "mod"), 2)
+    assert "depth_router.current_capacity" not in plain.state_dict()  # unchanged without it

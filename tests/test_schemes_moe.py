@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dynmo_hpc.config import MoESection
-from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.gpt import MLP, MicrobatchContext
 from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.model.schemes.moe import MoEFeedForward, expert_capacity, plan_routing
-from tests.helpers.local_pipeline import scheme_config
+from dynmo_hpc.pipeline.reference import train_reference
+from tests.helpers.jobs import assert_losses_close
+from tests.helpers.local_pipeline import SCHEME_OVERRIDES, scheme_config, train_local_pipeline
 
 
 def _moe(**kwargs) -> MoEFeedForward:
@@ -104,6 +107,67 @@ def test_experts_compute_only_their_routed_tokens():
     assert sum(moe.last_tokens_per_expert) < 128 * 2  # capacity 0.75 drops some work
 
 
+@pytest.mark.parametrize("unequal_widths", [False, True])
+def test_padded_dispatch_computes_the_busiest_load_on_every_expert_with_the_same_result(
+    unequal_widths,
+):
+    """Padded: every expert runs on the busiest expert's row count, batched when the experts
+    have one shape, one by one when pruning left them at different widths; outputs and gradients
+    are those of the gathered dispatch, so only the work (and the measured cost) changes."""
+    x = torch.randn(96, 16)
+    results = {}
+    for dispatch in ("gather", "padded"):
+        moe = _moe(num_experts=4, top_k=2, capacity_factor=2.0, dispatch=dispatch)
+        with torch.no_grad():
+            moe.router.weight[1] += 0.5  # uneven load: expert 1 gets more than its share
+        if unequal_widths:
+            torch.manual_seed(5)
+            moe.experts[0] = MLP(16, 24)  # as if pruned from 32 to 24 neurons
+        rows: dict[int, int] = {}
+        for e, expert in enumerate(moe.experts):
+            expert.c_fc.register_forward_hook(
+                lambda mod, inp, out, e=e, rows=rows: rows.__setitem__(e, inp[0].shape[0])
+            )
+        xg = x.clone().requires_grad_(True)
+        y, _ = moe(xg)
+        y.square().sum().backward()
+        counts = moe.last_tokens_per_expert
+        assert len(set(counts)) > 1  # the load really is uneven
+        if dispatch == "padded":
+            assert moe.last_rows_per_expert == max(counts)
+            assert moe.stats["expert_rows"] == 4 * max(counts)
+            if unequal_widths:  # one expert at a time, each on max(counts) rows
+                assert [rows[e] for e in range(4)] == [max(counts)] * 4
+            else:  # one batched (E, rows, C) computation; the experts' modules are not called
+                assert rows == {}
+        else:
+            assert [rows.get(e, 0) for e in range(4)] == counts
+            assert moe.stats["expert_rows"] == sum(counts)
+        grads = [p.grad.clone() for p in moe.experts.parameters()]
+        results[dispatch] = (counts, y.detach(), xg.grad, grads)
+    (c_g, y_g, dx_g, w_g), (c_p, y_p, dx_p, w_p) = results["gather"], results["padded"]
+    assert c_g == c_p
+    torch.testing.assert_close(y_p, y_g)
+    torch.testing.assert_close(dx_p, dx_g)
+    for a, b in zip(w_p, w_g, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_padded_dispatch_cost_follows_the_expert_imbalance():
+    """The more uneven the load, the more rows a padded block computes (same tokens)."""
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(3))
+    x[:, 0] = 1.0  # a constant feature: its router weight is a per-expert bias
+    computed = []
+    for skew in (0.0, 1.0, 3.0):
+        moe = _moe(num_experts=4, top_k=1, capacity_factor=4.0, dispatch="padded")
+        with torch.no_grad():
+            moe.router.weight[0, 0] += skew  # pushes tokens towards expert 0
+        moe(x)
+        computed.append(moe.stats["expert_rows"])
+        assert sum(moe.last_tokens_per_expert) == 128  # nothing dropped at this capacity
+    assert computed[0] < computed[1] < computed[2] <= 4 * 128
+
+
 def test_balancing_loss_evens_out_a_skewed_router():
     moe = _moe(num_experts=4, top_k=1, capacity_factor=4.0)
     with torch.no_grad():
@@ -131,3 +195,18 @@ def test_moe_block_reports_its_balancing_loss(tmp_path):
     out = block({"h": torch.randn(2, 32, 32)}, ctx)
     assert out["h"].shape == (2, 32, 32)
     assert len(ctx.aux_losses) == 1 and ctx.aux_losses[0].requires_grad
+
+
+@pytest.mark.parametrize("prune", [False, True], ids=["batched", "pruned-per-expert"])
+def test_padded_dispatch_pipeline_with_migrations_matches_reference(tmp_path, prune):
+    """The padded dispatch (batched, or expert by expert once pruning left the experts at
+    different widths) trains through the real engine with layers migrating mid-run exactly
+    as the single-process reference does."""
+    extra = SCHEME_OVERRIDES["pruning"] if prune else []
+    cfg = scheme_config(tmp_path, "moe", "schemes.moe.dispatch=padded", "train.steps=5", *extra)
+    reference = train_reference(cfg)
+    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps, repartition={2: [0, 3, 4, 6]})
+    assert_losses_close(run.losses, reference.losses, rel=1e-5)
+    stats = [e for e in run.events if e["kind"] == "scheme_stats"][-1]["layers"]
+    for i in range(1, 5):
+        assert stats[str(i)]["mlp.expert_rows"] >= stats[str(i)]["mlp.assignments"]

@@ -95,6 +95,39 @@ def test_density_drifts_linearly_per_layer():
     assert density_at(grow, 0.8, 4) == 1.0  # clamped
 
 
+def test_initial_density_is_shared_and_each_layer_drifts_to_its_own():
+    section = SparseAttentionSection(
+        layer_density=[0.25, 0.5], initial_density=1.0, drift_start_step=10, drift_end_step=30
+    )
+    assert [density_at(section, 0.25, t) for t in (0, 10, 20, 30, 99)] == [
+        1.0,
+        1.0,
+        0.625,
+        0.25,
+        0.25,
+    ]
+    assert [density_at(section, 0.5, t) for t in (0, 10, 20, 30)] == [1.0, 1.0, 0.75, 0.5]
+    halved = SparseAttentionSection(initial_density=1.0, drift_factor=0.5, drift_end_step=4)
+    assert density_at(halved, 0.5, 2) == pytest.approx(0.625)  # towards 0.5 * 0.5
+    assert density_at(halved, 0.5, 4) == 0.25
+
+
+def test_a_dense_start_sparsifies_each_layer_to_its_own_density(tmp_path):
+    cfg = scheme_config(
+        tmp_path,
+        "sparse_attention",
+        "schemes.sparse_attention.initial_density=1.0",
+        "schemes.sparse_attention.drift_factor=1.0",
+    )
+    assert [float(build_layer(cfg, i).attn.density) for i in range(1, 5)] == [1.0] * 4
+    run = train_local_pipeline(cfg, [0, 3, 6], 4)
+    reports = [e for e in run.events if e["kind"] == "scheme_stats"]
+    first, last = reports[0]["layers"], reports[-1]["layers"]
+    assert [last[str(i)]["attn.density"] for i in range(1, 5)] == [0.5, 1.0, 0.25, 0.75]
+    # The first report's steps ran at (nearly) dense attention, the last's at the layers' own.
+    assert first["3"]["attn.kept_blocks"] > last["3"]["attn.kept_blocks"]
+
+
 def test_layers_get_their_own_density_and_the_controller_drifts_it(tmp_path):
     cfg = scheme_config(tmp_path, "sparse_attention")
     densities = [float(build_layer(cfg, i).attn.density) for i in range(1, 5)]

@@ -62,6 +62,12 @@ class MoESection:
     overflow: Literal["drop", "reroute"] = "drop"
     """Assignments over an expert's capacity: drop (the residual carries the token) or reroute to
     the token's next-ranked expert that still has room (dropped only when none has)."""
+    dispatch: Literal["gather", "padded"] = "gather"
+    """How experts compute: gather (each expert runs on exactly its routed rows) or padded (every
+    expert runs on as many rows as the busiest expert serves, its own rows plus zero padding, as
+    a batched (E, capacity, C) dispatch with capacity set to the largest load computes, e.g.
+    DeepSpeed-MoE without token dropping). Padded, a block's cost is proportional to its busiest
+    expert's load, as its time is under expert parallelism. Routing and outputs are the same."""
     d_ff_expert: int | None = None
     """Hidden width of each expert; null = the block's dense width (model.d_ff / layer_d_ff)."""
     aux_loss_weight: float = 0.01
@@ -205,11 +211,17 @@ class SparseAttentionSection:
     """Step at which the density starts to drift."""
     drift_end_step: int = 0
     """Step at which the drift reaches drift_factor."""
+    initial_density: float | None = None
+    """Density every selected layer starts at instead of its own; it then moves linearly to the
+    layer's own density x drift_factor between drift_start_step and drift_end_step (e.g. 1.0: a
+    dense start that sparsifies to per-layer densities); null = start at the layer's own."""
 
     def validate(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"schemes.sparse_attention.block_size={self.block_size} must be >= 1")
         densities = [self.density, *(self.layer_density or [])]
+        if self.initial_density is not None:
+            densities.append(self.initial_density)
         if any(not 0.0 < d <= 1.0 for d in densities):
             raise ConfigError(f"schemes.sparse_attention densities {densities} must be in (0, 1]")
         at_most("schemes.sparse_attention.drift_end_step", self.drift_end_step, MAX_STEPS, "a step")
@@ -260,11 +272,27 @@ class MoDSection:
     layer_capacity: list[float] | None = None
     """One capacity per selected block (per entry of layers, or per block of the default);
     overrides capacity."""
+    initial_capacity: float | None = None
+    """Capacity every routed block starts at instead of its own; it then moves linearly to the
+    block's own capacity between anneal_start_step and anneal_end_step (e.g. 1.0: routed blocks
+    start dense and thin out); null = the block's own capacity from the first step."""
+    anneal_start_step: int = 0
+    """Step at which the capacities start to move from initial_capacity."""
+    anneal_end_step: int = 0
+    """Step at which every routed block has reached its own capacity."""
 
     def validate(self) -> None:
         capacities = [self.capacity, *(self.layer_capacity or [])]
+        if self.initial_capacity is not None:
+            capacities.append(self.initial_capacity)
         if any(not 0.0 < c <= 1.0 for c in capacities):
             raise ConfigError(f"schemes.mod capacities {capacities} must be in (0, 1]")
+        at_most("schemes.mod.anneal_end_step", self.anneal_end_step, MAX_STEPS, "a step index")
+        if not 0 <= self.anneal_start_step <= self.anneal_end_step:
+            raise ConfigError(
+                f"schemes.mod.anneal_start_step={self.anneal_start_step}, anneal_end_step="
+                f"{self.anneal_end_step}: need 0 <= anneal_start_step <= anneal_end_step"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from dynmo_hpc.model.gpt import activation_spec as base_activation_spec
 from dynmo_hpc.model.gpt import build_layer as base_build_layer
 from dynmo_hpc.model.schemes import early_exit, freezing, pruning, sparse_attention
 from dynmo_hpc.model.schemes.blocks import SchemeAttention, SchemeBlock
-from dynmo_hpc.model.schemes.mod import DepthRouter
+from dynmo_hpc.model.schemes.mod import DepthRouter, capacity_at
 from dynmo_hpc.model.schemes.moe import MoEFeedForward
 
 AllGather = Callable[[Any], list[Any]]
@@ -89,7 +89,9 @@ def _build_scheme_block(cfg: JobConfig, index: int) -> SchemeBlock:
         if index in routed:
             capacities = schemes.mod.layer_capacity
             capacity = capacities[routed.index(index)] if capacities else schemes.mod.capacity
-            block.depth_router = DepthRouter(model.d_model, capacity)
+            section = schemes.mod
+            start = None if section.initial_capacity is None else capacity_at(section, capacity, 0)
+            block.depth_router = DepthRouter(model.d_model, capacity, start)
     if schemes.early_exit is not None:
         block.early_exit_model = True
         if index in early_exit.exit_layers(schemes.early_exit, model.num_blocks):
@@ -164,6 +166,9 @@ def _collect_stats(slot: Slot, cfg: JobConfig) -> dict[str, float]:
             out["attn.num_heads"] = float(attn.num_heads)
         if attn.density is not None:
             out["attn.density"] = float(attn.density)
+    router = getattr(slot.module, "depth_router", None)
+    if isinstance(router, DepthRouter) and router.current_capacity is not None:
+        out["depth_router.capacity"] = float(router.current_capacity)
     if cfg.schemes.freezing is not None:
         out["frozen"] = float(freezing.is_frozen(slot.module))
     return out
@@ -228,6 +233,12 @@ class SchemeController:
                 ):
                     density = sparse_attention.density_at(schemes.sparse_attention, base, step + 1)
                     attn.density.fill_(density)
+        if schemes.mod is not None and schemes.mod.initial_capacity is not None:
+            for slot in slots:
+                router = getattr(slot.module, "depth_router", None)
+                if isinstance(router, DepthRouter) and router.current_capacity is not None:
+                    capacity = capacity_at(schemes.mod, router.capacity, step + 1)
+                    router.current_capacity.fill_(capacity)
         if schemes.early_exit is not None:
             enabled = step + 1 >= schemes.early_exit.start_step
             for slot in slots:

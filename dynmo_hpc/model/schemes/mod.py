@@ -7,6 +7,12 @@ position order and run through the whole block (attention among the selected tok
 causal in position order, then the feed-forward), so attention costs ~k^2 and the rest ~k per
 sequence instead of T^2 and T. The other tokens skip the block on the residual path, unchanged.
 
+Capacity annealing (``initial_capacity``, an addition to the paper, which trains at its final
+capacity from the start): every routed block starts at a shared capacity (e.g. 1.0, dense) that
+moves linearly to the block's own between two steps, like a dense model being converted to MoD.
+The current value is a buffer the controller rewrites at every step end, so it travels with the
+block and is in its checkpoint.
+
 As in the paper, the router's weight multiplies the block's update, ``h + w * (block(h) - h)``,
 which is what trains the router; here ``w = sigmoid(score)`` to keep the update bounded.
 
@@ -23,19 +29,44 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dynmo_hpc.config import MoDSection
+
 
 def tokens_processed(seq_len: int, capacity: float) -> int:
     """Tokens per sequence a routed block processes: ceil(capacity * seq_len), at least 1."""
     return max(1, min(seq_len, math.ceil(capacity * seq_len - 1e-9)))
 
 
+def capacity_at(section: MoDSection, own_capacity: float, steps_done: int) -> float:
+    """A routed block's capacity after ``steps_done`` optimizer steps (linear annealing).
+
+    Example: initial_capacity 1.0, own capacity 0.125, anneal from step 10 to 30: 1.0 until step
+    10, 0.5625 at 20, 0.125 from 30 on. Without initial_capacity: always the own capacity.
+    """
+    initial = section.initial_capacity
+    start, end = section.anneal_start_step, section.anneal_end_step
+    if initial is None or (steps_done >= end and steps_done > start):
+        return own_capacity
+    if steps_done <= start:
+        return initial
+    return initial + (own_capacity - initial) * (steps_done - start) / (end - start)
+
+
 class DepthRouter(nn.Module):
     """The per-block router and its capacity (fraction of tokens processed)."""
 
-    def __init__(self, d_model: int, capacity: float) -> None:
+    def __init__(self, d_model: int, capacity: float, start_capacity: float | None = None) -> None:
         super().__init__()
         self.proj = nn.Linear(d_model, 1, bias=False)
         self.capacity = capacity
+        """The block's own (configured) capacity."""
+        self.current_capacity: Tensor | None
+        self.register_buffer(
+            "current_capacity",
+            None if start_capacity is None else torch.tensor(start_capacity, dtype=torch.float64),
+        )
+        """With capacity annealing, the capacity in force (rewritten by the controller at every
+        step end); None (and not in the state dict) without it."""
         self.stats: dict[str, float] = {}
         """Tokens seen and processed since the last report (for the run log)."""
         self.last_selected: Tensor | None = None
@@ -44,7 +75,8 @@ class DepthRouter(nn.Module):
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """(B, T, C) -> selected positions (B, k) ascending, their router weights (B, k, 1)."""
         B, T, _ = h.shape
-        k = tokens_processed(T, self.capacity)
+        capacity = self.capacity if self.current_capacity is None else float(self.current_capacity)
+        k = tokens_processed(T, capacity)
         score = self.proj(h).squeeze(-1)  # (B, T)
         top = score.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, k)
         weight = torch.sigmoid(score.gather(1, top))[..., None]  # (B, k, 1)

@@ -10,6 +10,14 @@ the token's next-ranked experts in turn until one has room. Each expert is an or
 run on exactly the tokens routed to it (gathered), so the block's compute, and the cost the
 profiler measures, follows the routed token counts.
 
+With ``dispatch: padded`` every expert instead runs on as many rows as the busiest expert serves
+(its own rows, then zero rows), which is what a batched (E, capacity, C) dispatch computes when
+the capacity is set to the largest load (DeepSpeed-MoE with ``drop_tokens=False``); it runs as
+one batched computation over the stacked experts, or expert by expert once pruning has left them
+at different widths. The padding rows' outputs are discarded, so the result is the gathered one;
+what changes is the work: E x the busiest expert's load, so an uneven expert load costs what it
+costs under expert parallelism, where the block waits for its busiest expert.
+
 Gates: with k = 1 the router probability of the chosen expert (Switch: it is what trains the
 router); with k > 1 the chosen probabilities renormalised by the sum of the top-k probabilities
 (GShard); a rerouted assignment uses its new expert's probability over the same denominator.
@@ -88,16 +96,49 @@ class MoEFeedForward(nn.Module):
         self.top_k = section.top_k
         self.capacity_factor = section.capacity_factor
         self.overflow = section.overflow
+        self.dispatch = section.dispatch
         self.aux_loss_weight = section.aux_loss_weight
         self.router = nn.Linear(d_model, section.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(d_model, d_ff) for _ in range(section.num_experts))
         self.stats: dict[str, float] = {}
         """Routed, dropped and rerouted assignments and per-expert tokens since the last report."""
         self.last_tokens_per_expert: list[int] = []
-        """Tokens each expert computed in the latest forward (tests, diagnostics)."""
+        """Tokens routed to each expert in the latest forward (tests, diagnostics)."""
+        self.last_rows_per_expert = 0
+        """Padded dispatch: rows each expert computed in the latest forward (its busiest load)."""
 
     def _count(self, key: str, value: float) -> None:
         self.stats[key] = self.stats.get(key, 0.0) + value
+
+    def _batched_padded(
+        self,
+        x: Tensor,
+        routes: list[tuple[Tensor, Tensor]],
+        counts: list[int],
+        rows: int,
+        gates: Tensor,
+    ) -> Tensor:
+        """Padded dispatch as one batched computation: (E, rows, C) through stacked experts.
+
+        Why batched rather than expert by expert: a per-expert loop adds a fixed cost per expert
+        that has nothing to do with the load; the batched form is what a GShard-style dispatch
+        runs, so the block's cost is that of E x rows expert rows.
+        """
+        num_experts, width = self.num_experts, x.shape[1]
+        tokens = torch.cat([t for t, _ in routes])  # (S,) served assignments, expert by expert
+        slots = torch.cat([s for _, s in routes])  # (S,)
+        counts_t = torch.tensor(counts, device=x.device)
+        expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts_t)
+        row = torch.cat([torch.arange(n, device=x.device) for n in counts])  # (S,)
+        dispatched = x.new_zeros(num_experts, rows, width).index_put((expert, row), x[tokens])
+        fc_w = torch.stack([e.c_fc.weight for e in self.experts])  # (E, F, C)
+        fc_b = torch.stack([e.c_fc.bias for e in self.experts])  # (E, F)
+        proj_w = torch.stack([e.c_proj.weight for e in self.experts])  # (E, C, F)
+        proj_b = torch.stack([e.c_proj.bias for e in self.experts])  # (E, C)
+        hidden = F.gelu(torch.baddbmm(fc_b[:, None], dispatched, fc_w.transpose(1, 2)))
+        y = torch.baddbmm(proj_b[:, None], hidden, proj_w.transpose(1, 2))  # (E, rows, C)
+        served = y[expert, row] * gates[tokens, slots, None]  # (S, C)
+        return torch.zeros_like(x).index_add(0, tokens, served)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         num_tokens, _ = x.shape
@@ -114,15 +155,24 @@ class MoEFeedForward(nn.Module):
             gate_probs = gate_probs / top_probs.sum(-1, keepdim=True)
         gates = gate_probs * served  # (N, k)
 
-        out = torch.zeros_like(x)  # (N, C)
-        counts = []
-        for e, expert in enumerate(self.experts):
-            tokens, slots = (assignment == e).nonzero(as_tuple=True)  # token order
-            counts.append(int(tokens.numel()))
-            if tokens.numel():
-                y = expert(x[tokens])  # (n_e, C)
+        routes = [(assignment == e).nonzero(as_tuple=True) for e in range(self.num_experts)]
+        counts = [int(tokens.numel()) for tokens, _ in routes]
+        rows = max(counts) if self.dispatch == "padded" else 0
+        if rows and len({tuple(e.c_fc.weight.shape) for e in self.experts}) == 1:
+            out = self._batched_padded(x, routes, counts, rows, gates)
+        else:
+            out = torch.zeros_like(x)  # (N, C)
+            for expert, (tokens, slots), n in zip(self.experts, routes, counts, strict=True):
+                if rows:  # padded, experts of unequal (pruned) widths: one expert at a time
+                    x_e = torch.cat([x[tokens], x.new_zeros(rows - n, x.shape[1])])  # (rows, C)
+                    y = expert(x_e)[:n]  # (n_e, C)
+                elif n:
+                    y = expert(x[tokens])  # (n_e, C)
+                else:
+                    continue
                 out = out.index_add(0, tokens, y * gates[tokens, slots, None])
         self.last_tokens_per_expert = counts
+        self.last_rows_per_expert = rows
 
         chosen = F.one_hot(ranked[:, : self.top_k], self.num_experts).sum(1)  # (N, E)
         fraction = chosen.float().mean(0) / self.top_k  # (E,)  f_e
@@ -135,4 +185,5 @@ class MoEFeedForward(nn.Module):
         self._count("rerouted", float((served & (assignment != ranked[:, : self.top_k])).sum()))
         for e, c in enumerate(counts):
             self._count(f"expert_{e}", float(c))
+        self._count("expert_rows", float(rows * self.num_experts if rows else num_served))
         return out, aux

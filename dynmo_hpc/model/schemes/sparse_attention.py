@@ -11,9 +11,9 @@ skipped block and no skipped block costs a multiply. With density 1 every causal
 kept and the result equals dense causal attention (to float rounding).
 
 The choice is made at run time from the data (per microbatch, layer, head and query block), and
-the density may differ by layer and drift during training (:func:`density_at`); the controller
-writes the current density into each layer's ``attn.density`` buffer at every step end, so it
-travels with the layer.
+the density may differ by layer and drift during training (:func:`density_at`), for instance
+from a dense start to each layer's own density; the controller writes the current density into
+each layer's ``attn.density`` buffer at every step end, so it travels with the layer.
 """
 
 from __future__ import annotations
@@ -30,16 +30,22 @@ def density_at(section: SparseAttentionSection, base_density: float, steps_done:
     """A layer's density after ``steps_done`` optimizer steps (linear drift, clamped to (0, 1]).
 
     Example: density 0.5, drift_factor 0.5 from step 10 to 30: 0.5 until step 10, 0.375 at 20,
-    0.25 from 30 on.
+    0.25 from 30 on. With ``initial_density`` 1.0 instead: 1.0 until step 10, 0.625 at 20, 0.25
+    from 30 on (the start is shared by every layer, the end is each layer's own).
     """
     start, end = section.drift_start_step, section.drift_end_step
-    if steps_done <= start or end == start:
-        factor = 1.0 if steps_done <= start else section.drift_factor
+    initial = section.initial_density
+    if steps_done <= start:
+        density = base_density if initial is None else initial
     elif steps_done >= end:
-        factor = section.drift_factor
-    else:
+        density = base_density * section.drift_factor
+    elif initial is None:
         factor = 1.0 + (section.drift_factor - 1.0) * (steps_done - start) / (end - start)
-    return min(1.0, max(1e-6, base_density * factor))
+        density = base_density * factor
+    else:
+        final = base_density * section.drift_factor
+        density = initial + (final - initial) * (steps_done - start) / (end - start)
+    return min(1.0, max(1e-6, density))
 
 
 def blocks_kept_per_row(num_blocks: int, density: float) -> list[int]:
