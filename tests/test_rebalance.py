@@ -134,14 +134,19 @@ def test_diffusion_decision_moves_every_layer_at_most_one_stage():
     assert all(abs(m.src - m.dst) == 1 for m in plan_moves(start, plan.new_parts))
 
 
-def test_diffusion_decisions_are_neighbour_phases_of_alternating_parity():
-    rng = np.random.default_rng(11)
-    section = BalanceSection(algorithm="diffusion")
-    for trial in range(60):
+def random_cases(seed, count=60):
+    """Lognormal costs on 4-39 layers and a valid start partition on 2-8 stages."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
         n = int(rng.integers(4, 40))
         num_stages = int(rng.integers(2, min(n, 8) + 1))
         costs = rng.lognormal(0.0, 1.0, n).tolist()
-        parts = optimal(rng.random(n).tolist(), num_stages)
+        yield costs, optimal(rng.random(n).tolist(), num_stages), num_stages
+
+
+def test_diffusion_decisions_are_neighbour_phases_of_alternating_parity():
+    section = BalanceSection(algorithm="diffusion")
+    for trial, (costs, parts, _) in enumerate(random_cases(11)):
         report = trial % 2
         plan = decide(section, **diffusion_kwargs(costs, parts, report))
         if not plan.enact:
@@ -190,13 +195,8 @@ def test_repeated_diffusion_decisions_reach_the_fixed_point():
 
 
 def test_repeated_diffusion_decisions_walk_the_trace_to_its_bottleneck():
-    rng = np.random.default_rng(12)
     section = BalanceSection(algorithm="diffusion")
-    for _ in range(60):
-        n = int(rng.integers(4, 40))
-        num_stages = int(rng.integers(2, min(n, 8) + 1))
-        costs = rng.lognormal(0.0, 1.0, n).tolist()
-        start = optimal(rng.random(n).tolist(), num_stages)
+    for costs, start, num_stages in random_cases(12):
         trace = diffusion_trace(costs, num_stages, current=start)
         visited = walk(costs, start, section, reports=len(trace) + 4)
         assert visited == trace[: len(visited)]  # one phase per decision, in the trace's order

@@ -77,19 +77,18 @@ def ideal_train_s(
     if layer_costs.empty:
         raise ValueError("the run log has no load reports: cannot compute the ideal")
     costs = layer_costs.assign(cost_s=layer_costs["forward_s"] + layer_costs["backward_s"])
-    total_s = 0.0
-    previous = -1
-    report_steps = sorted(int(s) for s in costs["step"].unique())
-    for step in report_steps:
-        vector = costs[costs["step"] == step].sort_values("layer")["cost_s"].to_numpy()
-        covered = min(step, num_steps - 1) - previous
-        if covered > 0:
-            total_s += covered * ideal_step_s(vector.tolist(), num_stages, num_microbatches)
-            previous = min(step, num_steps - 1)
-    if previous < num_steps - 1:
-        total_s += (num_steps - 1 - previous) * ideal_step_s(
-            vector.tolist(), num_stages, num_microbatches
+    ideal_by_report = {
+        int(step): ideal_step_s(
+            group.sort_values("layer")["cost_s"].tolist(), num_stages, num_microbatches
         )
+        for step, group in costs.groupby("step")
+    }
+    total_s, previous = 0.0, -1
+    for step in sorted(ideal_by_report):
+        last = min(step, num_steps - 1)
+        total_s += max(0, last - previous) * ideal_by_report[step]
+        previous = max(previous, last)
+    total_s += (num_steps - 1 - previous) * ideal_by_report[max(ideal_by_report)]
     return total_s
 
 
