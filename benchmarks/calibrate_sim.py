@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -235,12 +236,16 @@ def predict(
 
 
 def machine_from(
-    fit_runs: list[RunDecomposition], optimizer_s_per_param: float, link: tuple[float, float]
+    fit_runs: list[RunDecomposition],
+    optimizer_s_per_param: float,
+    link: tuple[float, float],
+    cores: float | None,
 ) -> MachineModel:
     return MachineModel(
         overheads=fit_overheads(fit_runs, optimizer_s_per_param),
         latency_s=link[0],
         bandwidth_bytes_per_s=link[1],
+        cores=cores,
         notes={"fitted_on": [r.name for r in fit_runs]},
     )
 
@@ -270,6 +275,12 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated run names (default: all)")
     parser.add_argument("--write-machine", type=Path, help="save constants fitted on all runs")
     parser.add_argument("--json-out", type=Path, help="save the table as JSON")
+    parser.add_argument(
+        "--cores",
+        type=float,
+        default=float(len(os.sched_getaffinity(0))),
+        help="cores the ranks share (default: this process's CPU affinity)",
+    )
     args = parser.parse_args()
     if args.pingpong is not None:
         pingpong_rank(args.pingpong)
@@ -290,9 +301,10 @@ def main() -> None:
     rows = []
     for i, d in enumerate(decomps):
         others = decomps[:i] + decomps[i + 1 :]
-        machine = machine_from(others, optimizer_s_per_param, (latency_s, bandwidth))
+        machine = machine_from(others, optimizer_s_per_param, (latency_s, bandwidth), args.cores)
         path = paths[d.name]
         predicted = predict(path, d.policy, machine)
+        unshared = predict(path, d.policy, dataclasses.replace(machine, cores=None))
         plain = predict(path, d.policy, None, None)
         ratio_only = predict(path, d.policy, None)
         per_interval = predict(path, d.policy, machine, "run-interval")
@@ -311,6 +323,7 @@ def main() -> None:
                 "predicted_step_s": predicted,
                 "ratio": predicted / d.step_s,
                 "uncalibrated_ratio": plain / d.step_s,
+                "core_per_stage_ratio": unshared / d.step_s,
                 "wall_per_cpu_only_ratio": ratio_only / d.step_s,
                 "interval_wall_per_cpu_ratio": per_interval / d.step_s,
                 "others_wall_per_cpu": k_others,
@@ -322,6 +335,7 @@ def main() -> None:
     print(
         f"\n{'run':<20}{'stages':>7}{'M':>4}{'sched':>7}{'measured s':>12}{'predicted s':>13}"
         f"{'ratio':>8}  |{'k':>6}{'no k':>7}{'k only':>8}{'k intv':>8}{'k other':>9}"
+        f"{'unshared':>10}"
     )
     for row in rows:
         print(
@@ -330,6 +344,7 @@ def main() -> None:
             f"{row['ratio']:>8.3f}  |{row['wall_s_per_cpu_s']:>6.2f}"
             f"{row['uncalibrated_ratio']:>7.3f}{row['wall_per_cpu_only_ratio']:>8.3f}"
             f"{row['interval_wall_per_cpu_ratio']:>8.3f}{row['others_wall_per_cpu_ratio']:>9.3f}"
+            f"{row['core_per_stage_ratio']:>10.3f}"
         )
     worst = max(abs(row["ratio"] - 1) for row in rows)
     print(f"worst |ratio - 1|: {worst:.3f} over {len(rows)} runs (overheads fitted leave-one-out)")
@@ -337,9 +352,10 @@ def main() -> None:
         "after |: k = the run's median measured wall/CPU; ratios of: no k = compute only (the "
         "old model); k only = each step's k, no overheads or link; k intv = all terms, one k "
         "per report interval (--wall-per-cpu run-interval); k other = all terms, k the median "
-        "of the other runs on as many ranks instead of this run's stage times"
+        "of the other runs on as many ranks instead of this run's stage times; unshared = all "
+        f"terms, but a core per stage instead of {args.cores:g} cores shared"
     )
-    everything = machine_from(decomps, optimizer_s_per_param, (latency_s, bandwidth))
+    everything = machine_from(decomps, optimizer_s_per_param, (latency_s, bandwidth), args.cores)
     print(
         f"fitted on all runs: {everything.overheads.action_s * 1e3:.3f} ms/action, "
         f"{everything.overheads.step_s * 1e3:.2f} ms/step, "
@@ -357,6 +373,7 @@ def main() -> None:
                 overheads=everything.overheads,
                 latency_s=latency_s,
                 bandwidth_bytes_per_s=bandwidth,
+                cores=args.cores,
                 notes=notes,
             ),
             args.write_machine,

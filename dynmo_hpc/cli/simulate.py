@@ -146,6 +146,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "run log's stage times; 'run-interval': one per report, the median of its steps' "
         "(default: the machine file's, or 1)",
     )
+    p.add_argument(
+        "--cores",
+        type=float,
+        help="cores the ranks share; fewer than the stages: the busy stages share them, and a "
+        "measured --wall-per-cpu keeps only what the sharing does not explain (default: the "
+        "machine file's, or a core per stage)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p
@@ -221,6 +228,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         margin=value["margin"],
         smoothing=smoothing,
         overheads=machine.overheads,
+        cores=_pick(args.cores, machine.cores),
     )
     setup.check()
     return reports, setup, int(value["tokens_per_microbatch"])

@@ -56,7 +56,8 @@ class Overheads:
 
 @dataclass(frozen=True, kw_only=True)
 class MachineModel:
-    """A calibration file: the overheads, the link, and optionally a wall-per-CPU ratio."""
+    """A calibration file: the overheads, the link, and optionally a wall-per-CPU ratio and the
+    number of cores the ranks share."""
 
     overheads: Overheads = field(default_factory=Overheads)
     latency_s: float | None = None
@@ -66,6 +67,8 @@ class MachineModel:
     wall_s_per_cpu_s: float | None = None
     """Wall seconds per CPU second of rank work (>= 1 when ranks share cores); None: not fixed
     by the file (``--wall-per-cpu`` decides; 1 without it)."""
+    cores: float | None = None
+    """Cores the ranks of a run share (:mod:`dynmo_hpc.sim.shared_cores`); None: one a stage."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -74,7 +77,7 @@ class MachineModel:
         self.overheads.check()
         if self.latency_s is not None:
             _non_negative("latency_s", self.latency_s)
-        for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s"):
+        for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores"):
             value = getattr(self, name)
             if value is not None:
                 _non_negative(name, value)
@@ -89,7 +92,7 @@ class MachineModel:
             "step_overhead_s": self.overheads.step_s,
             "report_overhead_s": self.overheads.report_s,
         }
-        for name in ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "notes"):
+        for name in ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "notes"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -102,7 +105,7 @@ _OVERHEAD_KEYS = {
     "step_overhead_s": "step_s",
     "report_overhead_s": "report_s",
 }
-_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s")
+_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores")
 
 
 def _non_negative(name: str, value: object) -> None:

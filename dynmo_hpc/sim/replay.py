@@ -98,6 +98,8 @@ class ReplaySetup:
     smoothing: float = 0.5
     overheads: Overheads = field(default_factory=Overheads)
     """CPU seconds outside the layers (:class:`~dynmo_hpc.sim.machine.Overheads`); 0: none."""
+    cores: float | None = None
+    """Cores the ranks share (:mod:`dynmo_hpc.sim.shared_cores`); None: a core per stage."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -114,6 +116,8 @@ class ReplaySetup:
             )
         if not (math.isfinite(self.comm_s) and self.comm_s >= 0):
             raise ValueError(f"comm_s={self.comm_s!r} must be finite and >= 0")
+        if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
+            raise ValueError(f"cores={self.cores!r} must be finite and > 0")
         self.balance("optimal").validate()
 
     def balance(self, policy: str) -> BalanceSection:
@@ -161,15 +165,51 @@ def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup, k: fl
     """One step on ``parts`` with ``report``'s costs, in wall seconds at ``k`` wall per CPU."""
     m, extra = setup.num_microbatches, setup.overheads
     params = [sum(report.num_params[a:b]) for a, b in itertools.pairwise(parts)]
+    forward = stage_times_s(report.forward_s, parts, m)
+    backward = stage_times_s(report.backward_s, parts, m)
+    cores = setup.cores if setup.cores is not None and setup.cores < len(forward) else None
+    if cores is not None:
+        k = external_wall_s_per_cpu_s(forward, backward, m, setup, k)
     return simulate_step(
-        [k * x for x in stage_times_s(report.forward_s, parts, m)],
-        [k * x for x in stage_times_s(report.backward_s, parts, m)],
+        [k * x for x in forward],
+        [k * x for x in backward],
         m,
         setup.schedule,
         comm_s=setup.comm_s,
         action_overhead_s=k * extra.action_s,
         stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
+        cores=cores,
     ).step_time_s
+
+
+def external_wall_s_per_cpu_s(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_microbatches: int,
+    setup: ReplaySetup,
+    measured: float,
+) -> float:
+    """The part of a measured wall-per-CPU ratio that the run's own ranks sharing
+    ``setup.cores`` do not explain: the load of other processes.
+
+    A run's measured ratio (layer wall seconds over layer CPU seconds) includes the slowdown of
+    its ranks sharing the cores with each other, which the shared-cores simulation reproduces
+    itself; applied on top, it would count that twice. So it is divided by the simulated
+    ratio of the same layers (no overheads) at full speed. Never below 1: no load makes the
+    ranks faster than sharing the cores perfectly (a measured ratio below the simulated one is
+    noise).
+    """
+    shared = simulate_step(
+        forward_s,
+        backward_s,
+        num_microbatches,
+        setup.schedule,
+        comm_s=setup.comm_s,
+        cores=setup.cores,
+    )
+    cpu_s = num_microbatches * (sum(forward_s) + sum(backward_s))
+    own = sum(shared.busy_s) / cpu_s if cpu_s > 0 else 1.0
+    return max(1.0, measured / own)
 
 
 def replay(

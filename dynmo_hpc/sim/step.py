@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from dynmo_hpc.balance.common import check_parts, check_values
 from dynmo_hpc.sim.orders import StageOrders, stage_orders
+from dynmo_hpc.sim.shared_cores import run_shared, shared_tail_s
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -50,7 +51,7 @@ class StepResult:
     stage overhead; without overheads, the makespan."""
     busy_s: list[float]
     """Per stage: seconds computing (its forwards and backwards, their action overheads and
-    its stage overhead)."""
+    its stage overhead); wall seconds, stretched by sharing when ``cores`` is set."""
     idle_s: list[float]
     """Per stage: ``step_time_s - busy_s`` (bubble and waits for input)."""
 
@@ -95,6 +96,7 @@ def simulate_step(
     orders: StageOrders | None = None,
     action_overhead_s: float = 0.0,
     stage_overhead_s: Sequence[float] | None = None,
+    cores: float | None = None,
 ) -> StepResult:
     """Simulate one step of ``num_microbatches`` on ``len(forward_s)`` stages.
 
@@ -107,6 +109,9 @@ def simulate_step(
         action_overhead_s: seconds every forward and every backward takes besides its compute.
         stage_overhead_s: per stage, seconds after its schedule (optimizer and clipping);
             None: 0 on every stage.
+        cores: the cores the stages' ranks share; None (or at least one per stage): every
+            stage has a core of its own. Fewer: the durations are CPU seconds, and the busy
+            stages share the cores (:mod:`dynmo_hpc.sim.shared_cores`), the tails too.
 
     Example: GPipe, 2 stages, 2 microbatches, forward 1 s, backward 2 s, no communication:
     ``simulate_step([1, 1], [2, 2], 2, "gpipe").step_time_s == 9.0``.
@@ -128,9 +133,18 @@ def simulate_step(
         orders = stage_orders(schedule, num_stages, num_microbatches)
     elif orders.num_stages != num_stages or orders.num_microbatches != num_microbatches:
         raise ValueError("orders must have one row per stage and 2 actions per microbatch")
-    end_s = _run_rounds(orders, fwd + action_overhead_s, bwd + action_overhead_s, comm_s)
-    step_time_s = float(end_s.max() + tail.max())
-    busy = num_microbatches * (fwd + bwd + 2 * action_overhead_s) + tail
+    if cores is not None and not (math.isfinite(cores) and cores > 0):
+        raise ValueError(f"cores={cores!r} must be finite and > 0")
+    f_s, b_s = fwd + action_overhead_s, bwd + action_overhead_s
+    if cores is not None and cores < num_stages:
+        end_s, busy = run_shared(orders, _dependencies(orders), f_s, b_s, comm_s, cores)
+        tail_wall_s = shared_tail_s(tail, cores)
+        step_time_s = float(end_s.max() + tail_wall_s.max())
+        busy = busy + tail_wall_s
+    else:
+        end_s = _run_rounds(orders, f_s, b_s, comm_s)
+        step_time_s = float(end_s.max() + tail.max())
+        busy = num_microbatches * (f_s + b_s) + tail
     return StepResult(
         step_time_s=step_time_s,
         busy_s=[float(x) for x in busy],
