@@ -325,7 +325,11 @@ def migrate(
         errors.append(f"layer {arrival.layer} from rank {item.src} to {rank}: {item.error}{where}")
     if pipeline_stage.device.type == "cuda" and arrived:
         torch.cuda.synchronize(pipeline_stage.device)  # host buffers may go once copied
-    all_errors = [e for rank_errors in _gather_quietly(comm, errors) for e in rank_errors]
+    leaving = {m.layer for m in moves if m.src == rank}
+    # One collective for both checks: everyone's errors, and the layer count each rank will own.
+    will_own = len(pipeline_stage.slots) - len(leaving) + len(arrived)
+    gathered = _gather_quietly(comm, (errors, will_own))
+    all_errors = [e for rank_errors, _ in gathered for e in rank_errors]
     if all_errors:
         raise MigrationError(
             f"migration to partition {new_parts} failed verification: "
@@ -334,15 +338,13 @@ def migrate(
             "HINT: data was damaged in transit or in memory; retry the migration, or resume "
             "from the last checkpoint if it repeats"
         )
-    pipeline_stage.replace_layers(
-        new_parts, arrived=arrived, leaving={m.layer for m in moves if m.src == rank}
-    )
-    counts = _gather_quietly(comm, len(pipeline_stage.slots))
+    counts = [count for _, count in gathered]
     if sum(counts) != new_parts[-1]:
         raise RuntimeError(
-            f"after migration ranks own {counts} layers (sum {sum(counts)}), "
+            f"after migration ranks would own {counts} layers (sum {sum(counts)}), "
             f"expected {new_parts[-1]} in total"
         )
+    pipeline_stage.replace_layers(new_parts, arrived=arrived, leaving=leaving)
     return MigrationStats(
         num_moves=len(moves),
         bytes_sent=sum(o.meta_bytes + sum(int(b.numel()) for b in o.buffers) for o in outgoing),
