@@ -21,14 +21,45 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 D_MODELS = (256, 512, 1024)
 """Layer sizes with AdamW state: 9.5, 37.8 and 151 MB."""
+WARMUP_ROUNDS = 6
+"""Untimed rounds (both directions, migration and bare Send) before the timed ones. On the
+project's VM the first writes to memory the host has taken back cost up to 0.5 s per 151 MB
+(measured: a copy into fresh memory took 530 ms, then 15-19 ms once the process had recently
+freed pages to reuse); both measurements receive into fresh buffers, and until the two ranks
+have such pages the first rounds of either measure the host, not the transfer."""
+
+
+def one_round(comm: Any, stage: Any, parts: list[list[int]], rep: int) -> tuple[float, float, int]:
+    """One migration and one bare Send of as many bytes in the same direction: (migration s,
+    Send s, bytes), each the slowest rank's."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from dynmo_hpc.pipeline.migration import migrate
+
+    comm.Barrier()
+    stats = migrate(stage, comm, parts[(rep + 1) % 2])
+    total_bytes = comm.allreduce(stats.bytes_sent, op=MPI.SUM)
+    ours_s = comm.allreduce(stats.seconds, op=MPI.MAX)
+    src = 0 if rep % 2 == 0 else 1
+    buf = np.ones(total_bytes, dtype=np.uint8) if comm.rank == src else None
+    comm.Barrier()
+    t0 = time.perf_counter()
+    if comm.rank == src:
+        comm.Send([buf, MPI.BYTE], dest=1 - src, tag=3)
+    else:
+        buf = np.empty(total_bytes, dtype=np.uint8)
+        comm.Recv([buf, MPI.BYTE], source=src, tag=3)
+    raw_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    return ours_s, raw_s, total_bytes
 
 
 def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
-    import numpy as np
     import torch
     from mpi4py import MPI
 
@@ -36,7 +67,6 @@ def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
     from dynmo_hpc.pipeline.comm import StageLink
     from dynmo_hpc.pipeline.data import TextDataset
     from dynmo_hpc.pipeline.device import pick_device
-    from dynmo_hpc.pipeline.migration import migrate
     from dynmo_hpc.pipeline.stage import PipelineStage
 
     comm = MPI.COMM_WORLD
@@ -60,23 +90,12 @@ def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
             slot.optimizer.step()
         ours, raw = [], []
         parts = [[0, 2, 4], [0, 1, 4]]  # layer 1 goes 0 -> 1, then back
-        migrate(stage, comm, parts[1])  # warm-up: first-touch costs of both sides' allocators
-        migrate(stage, comm, parts[0])
+        for rep in range(WARMUP_ROUNDS):  # untimed: see WARMUP_ROUNDS
+            one_round(comm, stage, parts, rep)
         for rep in range(reps):
-            comm.Barrier()
-            stats = migrate(stage, comm, parts[(rep + 1) % 2])
-            total_bytes = comm.allreduce(stats.bytes_sent, op=MPI.SUM)
-            ours.append(comm.allreduce(stats.seconds, op=MPI.MAX))
-            src = 0 if rep % 2 == 0 else 1
-            buf = np.ones(total_bytes, dtype=np.uint8) if comm.rank == src else None
-            comm.Barrier()
-            t0 = time.perf_counter()
-            if comm.rank == src:
-                comm.Send([buf, MPI.BYTE], dest=1 - src, tag=3)
-            else:
-                buf = np.empty(total_bytes, dtype=np.uint8)
-                comm.Recv([buf, MPI.BYTE], source=src, tag=3)
-            raw.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            ours_s, raw_s, total_bytes = one_round(comm, stage, parts, rep)
+            ours.append(ours_s)
+            raw.append(raw_s)
         ratios = [r / o for r, o in zip(raw, ours, strict=True)]
         rows.append(
             {

@@ -260,7 +260,7 @@ class _Arrival:
 
 def _gather_quietly(comm: MPI.Comm, value: Any) -> list[Any]:
     """``allgather`` after a non-spinning barrier (ranks with nothing to move wait asleep)."""
-    wait_quietly([comm.Ibarrier()])
+    wait_quietly([comm.Ibarrier()], max_sleep_s=1e-4)
     return list(comm.allgather(value))
 
 
