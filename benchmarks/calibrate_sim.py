@@ -6,7 +6,8 @@ What it does, in order:
      link between two MPI ranks (one-way time of activation-sized and tiny messages, waiting the
      way the trainer waits);
   2. runs the calibration jobs (2 and 4 ranks; plain, MoD, MoE, imbalanced; M = 4 and 8; 1F1B
-     and GPipe), short ones, one at a time, or takes those already in --runs-dir with --reuse;
+     and GPipe; static, and two imbalanced runs that migrate under `optimal` and `diffusion`),
+     short ones, one at a time, or takes those already in --runs-dir with --reuse;
   3. splits each run's measured step per stage (dynmo_hpc.sim.calibration.decompose);
   4. for each run, fits the per-step, per-action and per-report overheads on the OTHER runs
      (leave one out), writes them with step 1's constants to a machine file and runs
@@ -73,6 +74,10 @@ RUNS: tuple[CalibrationRun, ...] = (
     CalibrationRun("moe_p2_m4", "moe", 2, 4),
     CalibrationRun("moe_p4_m8", "moe", 4, 8),
     CalibrationRun("imbalanced_p2_m8", "imbalanced", 2, 8),
+    # Dynamic policies: the trainer migrates at its load reports, the replay decides with the
+    # same rule on the same costs and prices the move; measured steps include the migrations.
+    CalibrationRun("imbalanced_p2_m8_optimal", "imbalanced", 2, 8, algorithm="optimal"),
+    CalibrationRun("imbalanced_p4_m8_diffusion", "imbalanced", 4, 8, algorithm="diffusion"),
 )
 
 

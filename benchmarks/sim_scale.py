@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc.runlog import load
-from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.replay import DYNAMIC_POLICIES, STATIC_POLICIES, CostReport, ReplaySetup, replay
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+
+SCALE_POLICIES = (*STATIC_POLICIES, *DYNAMIC_POLICIES)
+"""The table compares partitioning policies at a fixed stage count (no packing)."""
 
 PAPER_SPEEDUP = {
     "moe": 1.23,
@@ -95,7 +98,7 @@ def simulate_run(path: Path, stages: list[int], mb_per_stage: int, bw_gbps: floa
             bandwidth_bytes_per_s=bw_gbps * 1e9 / 8,
         )
         tokens = traces.tokens_per_microbatch * setup.num_microbatches
-        result = {pol: replay(reports, setup, pol).tokens_per_s(tokens) for pol in POLICIES}
+        result = {pol: replay(reports, setup, pol).tokens_per_s(tokens) for pol in SCALE_POLICIES}
         best_static = max(result["uniform"], result["parameters"])
         rows.append(
             {

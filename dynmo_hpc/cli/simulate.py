@@ -31,7 +31,7 @@ from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
 from dynmo_hpc.sim.machine import MachineModel, load_machine
-from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.replay import POLICIES, CostReport, PackingSetup, ReplaySetup, replay
 from dynmo_hpc.sim.step import transfer_time_s
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(default: the machine file's, or 1)",
     )
     p.add_argument(
+        "--restart-overhead-s",
+        type=float,
+        help="seconds one resize onto fewer stages stops training, for the packing policy "
+        "(default: the run's elastic.restart_overhead_s, or 10)",
+    )
+    p.add_argument(
         "--cores",
         type=float,
         help="cores the ranks share; fewer than the stages: the busy stages share them, and a "
@@ -191,6 +197,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
             "steps": interval * len(reports),
         }
         smoothing = traces.smoothing
+        packing = traces.packing
     else:
         if wall_per_cpu in (RUN, RUN_INTERVAL):
             raise ValueError(
@@ -211,6 +218,9 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
             "steps": COSTS_STEPS_PER_INTERVAL * interval,
         }
         smoothing = 0.5
+        packing = PackingSetup()
+    if args.restart_overhead_s is not None:
+        packing = replace(packing, restart_overhead_s=args.restart_overhead_s)
     value = {key: _pick(getattr(args, key), default) for key, default in defaults.items()}
     stages = _pick(args.stages, value.get("stages"))
     microbatches = _pick(args.microbatches, value.get("microbatches"))
@@ -229,6 +239,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         smoothing=smoothing,
         overheads=machine.overheads,
         cores=_pick(args.cores, machine.cores),
+        packing=packing,
     )
     setup.check()
     return reports, setup, int(value["tokens_per_microbatch"])
@@ -319,10 +330,13 @@ def run(args: argparse.Namespace) -> int:
         f"{setup.num_stages} stages, {setup.num_microbatches} microbatches, {setup.schedule}, "
         f"{setup.num_steps} steps, load report every {setup.interval}"
     )
-    print(f"{'policy':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}")
+    print(
+        f"{'policy':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
+        f"{'stages':>8}{'node_s':>12}"
+    )
     for p, r in results.items():
         print(
             f"{p:<12}{summary[p]['step_time_s']:>14.6g}{summary[p]['tokens_per_s']:>16.6g}"
-            f"{r.migrations:>12d}"
+            f"{r.migrations:>12d}{len(r.final_parts) - 1:>8d}{r.node_s:>12.6g}"
         )
     return 0

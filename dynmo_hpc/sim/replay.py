@@ -12,9 +12,10 @@ per report).
 The timeline: load report ``r`` holds the costs measured over steps ``r * interval`` to
 ``(r + 1) * interval - 1``; those steps are simulated with them. At the end of that interval the
 report is smoothed into the running average (``balance.smoothing``, as the trainer does) and a
-dynamic policy decides; an enacted partition runs from the next step, which also pays the
-migration (busiest rank's bytes sent plus received / bandwidth). Steps past the last report keep
-its costs.
+dynamic policy decides; an enacted partition runs from the next step, and the report step pays
+the migration (busiest rank's bytes sent plus received / bandwidth), as the trainer's logged
+step time includes the load report and migration that follow its schedule. Steps past the last
+report keep its costs.
 
 Calibrated terms (:mod:`dynmo_hpc.sim.machine`, all 0 by default): a report's CPU-second costs
 and the setup's CPU overheads are stretched by the report's wall-per-CPU ratio (one for the
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 from dynmo_hpc.balance import partition
 from dynmo_hpc.balance.common import check_values
+from dynmo_hpc.balance.packing import PACK_POLICIES, nodes_for, plan_pack
 from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.machine import Overheads
@@ -44,7 +46,10 @@ from dynmo_hpc.sim.step import simulate_step, stage_times_s
 STATIC_POLICIES: tuple[str, ...] = ("uniform", "parameters")
 #: Policies that re-partition at load reports.
 DYNAMIC_POLICIES: tuple[str, ...] = ("optimal", "diffusion")
-POLICIES: tuple[str, ...] = (*STATIC_POLICIES, *DYNAMIC_POLICIES)
+PACKING = "packing"
+"""``optimal`` plus elastic packing: every ``PackingSetup.interval`` reports, the trainer's packing
+decision (:func:`dynmo_hpc.balance.packing.plan_pack`) may move the model onto fewer stages."""
+POLICIES: tuple[str, ...] = (*STATIC_POLICIES, *DYNAMIC_POLICIES, PACKING)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +85,37 @@ class CostReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PackingSetup:
+    """The ``elastic`` settings the ``packing`` policy decides with (``docs/elastic.md``)."""
+
+    interval: int = 2
+    """Load reports between packing decisions (``elastic.interval``)."""
+    policy: str = "throughput"
+    max_slowdown: float = 0.1
+    min_stages: int = 1
+    restart_overhead_s: float = 10.0
+    """Seconds a resize stops training; charged to the report step that decides it. The
+    default is what one local resize measured (``README``: 9.8 s)."""
+    ranks_per_node: int = 1
+    """Ranks per node: a pack must free whole nodes (1: every rank is its own node)."""
+
+    def check(self) -> None:
+        if self.interval < 1 or self.min_stages < 1 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"packing interval={self.interval}, min_stages={self.min_stages} and "
+                f"ranks_per_node={self.ranks_per_node} must be >= 1"
+            )
+        if not (math.isfinite(self.restart_overhead_s) and self.restart_overhead_s >= 0):
+            raise ValueError(
+                f"restart_overhead_s={self.restart_overhead_s!r} must be finite and >= 0"
+            )
+        if self.policy not in PACK_POLICIES:
+            raise ValueError(f"packing policy={self.policy!r} is not one of {PACK_POLICIES}")
+        if not (math.isfinite(self.max_slowdown) and 0 <= self.max_slowdown < 1):
+            raise ValueError(f"max_slowdown={self.max_slowdown!r} must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReplaySetup:
     """The pipeline and the balancing rule the reports are replayed on."""
 
@@ -100,6 +136,8 @@ class ReplaySetup:
     """CPU seconds outside the layers (:class:`~dynmo_hpc.sim.machine.Overheads`); 0: none."""
     cores: float | None = None
     """Cores the ranks share (:mod:`dynmo_hpc.sim.shared_cores`); None: a core per stage."""
+    packing: PackingSetup = field(default_factory=PackingSetup)
+    """What the ``packing`` policy decides with."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -119,6 +157,7 @@ class ReplaySetup:
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"cores={self.cores!r} must be finite and > 0")
         self.balance("optimal").validate()
+        self.packing.check()
 
     def balance(self, policy: str) -> BalanceSection:
         """The ``balance`` section a run with ``policy`` would have had."""
@@ -136,11 +175,15 @@ class PolicyResult:
 
     policy: str
     step_times_s: list[float] = field(default_factory=list)
-    """Per step, simulated seconds, the migration that preceded it included."""
+    """Per step, simulated seconds, a migration decided at its load report included."""
     migrations: int = 0
     """Partitions enacted (dynamic policies only)."""
     migration_s: float = 0.0
     """Seconds spent migrating, over the whole run."""
+    packs: int = 0
+    """Resizes onto fewer stages (``packing`` only)."""
+    node_s: float = 0.0
+    """Node-seconds held: each step's seconds x the nodes its stages occupy."""
     final_parts: list[int] = field(default_factory=list)
 
     @property
@@ -236,9 +279,11 @@ def replay(
         raise ValueError("every load report must cover the same layers")
     num_steps = setup.num_steps or setup.interval * len(reports)
     parts = _initial_parts(policy, reports[0], setup.num_stages)
-    balance = setup.balance(policy)
+    # Packing rebalances between packs with the trainer's default balancer.
+    balance = setup.balance("optimal" if policy == PACKING else policy)
     step_times_s: list[float] = []
-    migrations, migration_s, pending_s = 0, 0.0, 0.0
+    migrations, migration_s, packs, node_s = 0, 0.0, 0, 0.0
+    ranks_per_node = setup.packing.ranks_per_node
     smoothed: list[float] | None = None
     report_index = 0
     while len(step_times_s) < num_steps:
@@ -251,10 +296,9 @@ def replay(
         ]
         simulated = {k: _step_time_s(report, parts, setup, k) for k in set(ratios)}
         step_times_s.extend(simulated[k] for k in ratios)
-        step_times_s[-steps] += pending_s
+        node_s += sum(simulated[k] for k in ratios) * nodes_for(len(parts) - 1, ranks_per_node)
         # The interval's last step is a report step (the trainer also reports after the last).
         step_times_s[-1] += ratios[-1] * setup.overheads.report_s
-        pending_s = 0.0
         latest = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
         a = setup.smoothing
         smoothed = (
@@ -262,7 +306,7 @@ def replay(
             if smoothed is None
             else [a * new + (1 - a) * old for new, old in zip(latest, smoothed, strict=True)]
         )
-        if policy in DYNAMIC_POLICIES and len(step_times_s) < num_steps:
+        if policy not in STATIC_POLICIES and len(step_times_s) < num_steps:
             decision = decide(
                 balance,
                 costs_s=smoothed,
@@ -276,8 +320,17 @@ def replay(
             if decision.parts_to_enact is not None:
                 parts = decision.parts_to_enact
                 migrations += 1
-                pending_s = decision.predicted_migration_s
-                migration_s += pending_s
+                # Charged to the report step, as the trainer logs it (the migration runs inside
+                # the step whose load report decided it).
+                step_times_s[-1] += decision.predicted_migration_s
+                migration_s += decision.predicted_migration_s
+        packing_due = (report_index + 1) % setup.packing.interval == 0
+        if policy == PACKING and packing_due and len(step_times_s) < num_steps:
+            pack = _plan_pack(smoothed, parts, report, setup, num_steps - len(step_times_s))
+            if pack is not None:
+                parts = pack
+                packs += 1
+                step_times_s[-1] += setup.packing.restart_overhead_s
         report_index += 1
         if progress is not None:
             progress(len(step_times_s), num_steps)
@@ -286,5 +339,39 @@ def replay(
         step_times_s=step_times_s,
         migrations=migrations,
         migration_s=migration_s,
+        packs=packs,
+        node_s=node_s,
         final_parts=list(parts),
     )
+
+
+def _plan_pack(
+    costs_s: list[float],
+    parts: list[int],
+    report: CostReport,
+    setup: ReplaySetup,
+    steps_left: int,
+) -> list[int] | None:
+    """The trainer's packing decision on the smoothed costs: the new partition, or None.
+
+    Its closed-form step model is calibrated, as in the trainer, against the step it would
+    have measured: here the simulated one (at the report's wall-per-CPU ratio, overheads
+    included). Memory capacity is not modelled (every candidate fits)."""
+    pk = setup.packing
+    measured_s = _step_time_s(report, parts, setup, report.wall_s_per_cpu_s)
+    plan = plan_pack(
+        costs_s,
+        parts,
+        num_microbatches=setup.num_microbatches,
+        tokens_per_step=float(setup.num_microbatches),  # only ratios of it matter
+        ranks_per_node=pk.ranks_per_node,
+        steps_left=steps_left,
+        restart_overhead_s=pk.restart_overhead_s,
+        policy=pk.policy,
+        max_slowdown=pk.max_slowdown,
+        min_stages=pk.min_stages,
+        comm_s=setup.comm_s,
+        num_cpu_slots=None if setup.cores is None else max(1, int(setup.cores)),
+        measured_step_s=measured_s,
+    )
+    return list(plan.chosen.parts) if plan.pack else None

@@ -13,7 +13,7 @@ from typing import Any
 
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.runlog import RunLog
-from dynmo_hpc.sim.replay import CostReport
+from dynmo_hpc.sim.replay import CostReport, PackingSetup
 
 ACTIVATION_BYTES_PER_VALUE = 4
 """float32: the trainer sends activations in the model's dtype, float32."""
@@ -35,6 +35,9 @@ class RunTraces:
     """``train.micro_batch_size * model.seq_len``."""
     activation_bytes: int
     """One microbatch's activations between stages: batch x sequence x width x 4 bytes."""
+    packing: PackingSetup
+    """The run's ``elastic`` settings, for the ``packing`` policy (its default restart
+    overhead where the run measured its own)."""
     step_wall_s_per_cpu_s: list[list[float] | None]
     """Per report, per step of its interval (in order): the step's wall seconds in layers
     (``stage_times.compute_s``, all stages) over the report's thread CPU seconds per step; None
@@ -122,5 +125,21 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
         smoothing=float(balance["smoothing"]),
         tokens_per_microbatch=micro_batch * seq_len,
         activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
+        packing=_packing(run.config.get("elastic")),
         step_wall_s_per_cpu_s=measured_wall_s_per_cpu_s(run, steps),
+    )
+
+
+def _packing(elastic: Any) -> PackingSetup:
+    """A run's ``elastic`` section as a :class:`PackingSetup` (defaults where absent)."""
+    if not isinstance(elastic, dict):
+        return PackingSetup()
+    default = PackingSetup()
+    overhead = elastic.get("restart_overhead_s")
+    return PackingSetup(
+        interval=int(elastic.get("interval", default.interval)),
+        policy=str(elastic.get("policy", default.policy)),
+        max_slowdown=float(elastic.get("max_slowdown", default.max_slowdown)),
+        min_stages=int(elastic.get("min_stages", default.min_stages)),
+        restart_overhead_s=default.restart_overhead_s if overhead is None else float(overhead),
     )
