@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dynmo_hpc.cli import main
@@ -15,6 +16,7 @@ from dynmo_hpc.sim.machine import MachineModel, load_machine, save_machine
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, external_wall_s_per_cpu_s, replay
 from dynmo_hpc.sim.shared_cores import shared_rate, shared_tail_s
 from dynmo_hpc.sim.step import simulate_step
+from dynmo_hpc.sim.wakeup import noticed_s
 
 
 def test_shared_rate() -> None:
@@ -149,3 +151,34 @@ def test_machine_file_cores_and_cli_flag(
     (tmp_path / "bad.json").write_text('{"cores": 0}')
     with pytest.raises(ValueError, match=r"cores=0\.0 must be > 0"):
         load_machine(tmp_path / "bad.json")
+
+
+def test_a_waiting_stage_notices_its_input_late() -> None:
+    """The back-off: after a wait of w the input is noticed min(0.375 w, cap / 2) late; an
+    input that was already there, at once."""
+    ready = np.array([1.0, 0.5, 0.1, -np.inf, np.inf])
+    free = np.array([0.0, 1.0, 0.0, 2.0, 0.0])
+    assert noticed_s(ready, free, 0.2).tolist() == pytest.approx([1.1, 1.0, 0.1375, 2.0, np.inf])
+    assert noticed_s(ready, free, 0.0).tolist() == [1.0, 1.0, 0.1, 2.0, np.inf]
+
+
+@pytest.mark.parametrize("cores", [None, 1])
+def test_wake_up_delay_hand_timeline(cores: float | None) -> None:
+    """GPipe, P=2, M=1, f=b=1, cap 0.2 s: stage 1 waits 1 s for F0 and starts at 1.1; B0 ends at
+    3.1; stage 0, free since 1, waited 2.1 s and starts B0 at 3.2: the step is 4.2 (4 without
+    the back-off). Only one stage computes at a time, so one shared core changes nothing."""
+    result = simulate_step([1, 1], [1, 1], 1, "gpipe", poll_max_s=0.2, cores=cores)
+    assert result.step_time_s == pytest.approx(4.2)
+    assert simulate_step([1, 1], [1, 1], 1, "gpipe", cores=cores).step_time_s == 4.0
+
+
+def test_machine_file_poll_and_replay_use_it(tmp_path: Path) -> None:
+    model = MachineModel(poll_max_s=1e-3, cores=2.0)
+    save_machine(model, tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json") == model
+    setup = ReplaySetup(num_stages=2, num_microbatches=1, schedule="gpipe", poll_max_s=0.2)
+    report = CostReport(forward_s=[1.0, 1.0], backward_s=[1.0, 1.0], num_params=[1, 1],
+                        layer_bytes=[0, 0])  # fmt: skip
+    assert replay([report], setup, "uniform").step_times_s == [pytest.approx(4.2)] * 5
+    with pytest.raises(ValueError, match="poll_max_s"):
+        simulate_step([1], [1], 1, poll_max_s=-1.0)

@@ -239,6 +239,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         smoothing=smoothing,
         overheads=machine.overheads,
         cores=_pick(args.cores, machine.cores),
+        poll_max_s=_pick(machine.poll_max_s, 0.0),
         packing=packing,
     )
     setup.check()

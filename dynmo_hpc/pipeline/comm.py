@@ -27,7 +27,12 @@ from dynmo_hpc.model.gpt import Payload, Spec
 _MAX_KEYS = 8  # payload tensors per message; part of the tag layout
 
 
-def poll_quietly(done: Callable[[], bool], max_sleep_s: float = 1e-3) -> float:
+WAIT_MAX_SLEEP_S = 1e-3
+"""The longest sleep of a waiting rank's back-off (the simulator models the late wake-up it
+causes: :func:`dynmo_hpc.sim.step.noticed_s`)."""
+
+
+def poll_quietly(done: Callable[[], bool], max_sleep_s: float = WAIT_MAX_SLEEP_S) -> float:
     """Poll ``done()`` with exponentially growing sleeps (20 us to ``max_sleep_s``) until it is
     true; returns the seconds waited. The one back-off loop: a blocking MPI wait may busy-poll,
     which on a machine with fewer cores than ranks steals the compute ranks' CPU."""
@@ -39,7 +44,7 @@ def poll_quietly(done: Callable[[], bool], max_sleep_s: float = 1e-3) -> float:
     return time.perf_counter() - t0
 
 
-def wait_quietly(requests: Sequence[Any], max_sleep_s: float = 1e-3) -> float:
+def wait_quietly(requests: Sequence[Any], max_sleep_s: float = WAIT_MAX_SLEEP_S) -> float:
     """Wait for MPI requests without spinning; returns the seconds waited."""
     pending = [r for r in requests if r is not None]
     if not pending:

@@ -69,14 +69,19 @@ class MachineModel:
     by the file (``--wall-per-cpu`` decides; 1 without it)."""
     cores: float | None = None
     """Cores the ranks of a run share (:mod:`dynmo_hpc.sim.shared_cores`); None: one a stage."""
+    poll_max_s: float | None = None
+    """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`);
+    None: inputs are noticed at once."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
     def check(self) -> None:
         """Raise ValueError on a value no machine could have."""
         self.overheads.check()
-        if self.latency_s is not None:
-            _non_negative("latency_s", self.latency_s)
+        for name in ("latency_s", "poll_max_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _non_negative(name, value)
         for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores"):
             value = getattr(self, name)
             if value is not None:
@@ -92,7 +97,7 @@ class MachineModel:
             "step_overhead_s": self.overheads.step_s,
             "report_overhead_s": self.overheads.report_s,
         }
-        for name in ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "notes"):
+        for name in (*_OPTIONAL_KEYS, "notes"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -105,7 +110,7 @@ _OVERHEAD_KEYS = {
     "step_overhead_s": "step_s",
     "report_overhead_s": "report_s",
 }
-_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores")
+_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "poll_max_s")
 
 
 def _non_negative(name: str, value: object) -> None:

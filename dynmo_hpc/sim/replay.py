@@ -136,6 +136,8 @@ class ReplaySetup:
     """CPU seconds outside the layers (:class:`~dynmo_hpc.sim.machine.Overheads`); 0: none."""
     cores: float | None = None
     """Cores the ranks share (:mod:`dynmo_hpc.sim.shared_cores`); None: a core per stage."""
+    poll_max_s: float = 0.0
+    """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`)."""
     packing: PackingSetup = field(default_factory=PackingSetup)
     """What the ``packing`` policy decides with."""
 
@@ -154,6 +156,8 @@ class ReplaySetup:
             )
         if not (math.isfinite(self.comm_s) and self.comm_s >= 0):
             raise ValueError(f"comm_s={self.comm_s!r} must be finite and >= 0")
+        if not (math.isfinite(self.poll_max_s) and self.poll_max_s >= 0):
+            raise ValueError(f"poll_max_s={self.poll_max_s!r} must be finite and >= 0")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"cores={self.cores!r} must be finite and > 0")
         self.balance("optimal").validate()
@@ -222,6 +226,7 @@ def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup, k: fl
         action_overhead_s=k * extra.action_s,
         stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
         cores=cores,
+        poll_max_s=setup.poll_max_s,
     ).step_time_s
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dynmo_hpc.sim.orders import StageOrders
+from dynmo_hpc.sim.wakeup import noticed_s
 
 FloatArray = npt.NDArray[np.float64]
 IntpArray = npt.NDArray[np.intp]
@@ -47,6 +48,8 @@ def run_shared(
     bwd: FloatArray,
     comm_s: float,
     cores: float,
+    *,
+    poll_max_s: float = 0.0,
 ) -> tuple[FloatArray, FloatArray]:
     """Each stage's finish time and its wall seconds computing, with processor sharing.
 
@@ -54,8 +57,10 @@ def run_shared(
     action whose output each action needs; the two slots after the actions mean "always there"
     and "never"). ``fwd`` and ``bwd`` are per-stage CPU seconds of one action, already divided
     by any external speed factor; ``comm_s`` is the time from an action's end to its output's
-    arrival on the neighbour.
+    arrival on the neighbour; a waiting stage notices it as
+    :func:`dynmo_hpc.sim.wakeup.noticed_s` says (``poll_max_s``).
     """
+
     if not (math.isfinite(cores) and cores > 0):
         raise ValueError(f"cores={cores!r} must be finite and > 0")
     num_stages, num_microbatches = orders.num_stages, orders.num_microbatches
@@ -75,7 +80,8 @@ def run_shared(
     now_s = 0.0
     while True:
         waiting = ~running & (next_action < last_action)
-        arrive_s = end_s[deps[next_action]] + comm_s  # inf while the input is not made
+        # inf while the input is not made; else when this stage notices it
+        arrive_s = noticed_s(end_s[deps[next_action]] + comm_s, free_s, poll_max_s)
         start = waiting & (arrive_s <= now_s)
         running |= start
         left_s[start] = work_flat[next_action[start]]

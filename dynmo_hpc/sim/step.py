@@ -38,6 +38,7 @@ import numpy.typing as npt
 from dynmo_hpc.balance.common import check_parts, check_values
 from dynmo_hpc.sim.orders import StageOrders, stage_orders
 from dynmo_hpc.sim.shared_cores import run_shared, shared_tail_s
+from dynmo_hpc.sim.wakeup import noticed_s
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -97,6 +98,7 @@ def simulate_step(
     action_overhead_s: float = 0.0,
     stage_overhead_s: Sequence[float] | None = None,
     cores: float | None = None,
+    poll_max_s: float = 0.0,
 ) -> StepResult:
     """Simulate one step of ``num_microbatches`` on ``len(forward_s)`` stages.
 
@@ -112,6 +114,8 @@ def simulate_step(
         cores: the cores the stages' ranks share; None (or at least one per stage): every
             stage has a core of its own. Fewer: the durations are CPU seconds, and the busy
             stages share the cores (:mod:`dynmo_hpc.sim.shared_cores`), the tails too.
+        poll_max_s: a waiting stage's longest sleep between tests; it notices an input late by
+            :func:`dynmo_hpc.sim.wakeup.noticed_s`. 0: at once.
 
     Example: GPipe, 2 stages, 2 microbatches, forward 1 s, backward 2 s, no communication:
     ``simulate_step([1, 1], [2, 2], 2, "gpipe").step_time_s == 9.0``.
@@ -121,7 +125,12 @@ def simulate_step(
         raise ValueError("forward_s must have one entry per stage (at least one)")
     fwd = _durations(forward_s, "forward_s", num_stages)
     bwd = _durations(backward_s, "backward_s", num_stages)
-    for name, value in (("comm_s", comm_s), ("action_overhead_s", action_overhead_s)):
+    checked = (
+        ("comm_s", comm_s),
+        ("action_overhead_s", action_overhead_s),
+        ("poll_max_s", poll_max_s),
+    )
+    for name, value in checked:
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name}={value!r} must be finite and >= 0")
     tail = (
@@ -137,12 +146,14 @@ def simulate_step(
         raise ValueError(f"cores={cores!r} must be finite and > 0")
     f_s, b_s = fwd + action_overhead_s, bwd + action_overhead_s
     if cores is not None and cores < num_stages:
-        end_s, busy = run_shared(orders, _dependencies(orders), f_s, b_s, comm_s, cores)
+        end_s, busy = run_shared(
+            orders, _dependencies(orders), f_s, b_s, comm_s, cores, poll_max_s=poll_max_s
+        )
         tail_wall_s = shared_tail_s(tail, cores)
         step_time_s = float(end_s.max() + tail_wall_s.max())
         busy = busy + tail_wall_s
     else:
-        end_s = _run_rounds(orders, f_s, b_s, comm_s)
+        end_s = _run_rounds(orders, f_s, b_s, comm_s, poll_max_s)
         step_time_s = float(end_s.max() + tail.max())
         busy = num_microbatches * (f_s + b_s) + tail
     return StepResult(
@@ -183,7 +194,9 @@ def _dependencies(orders: StageOrders) -> npt.NDArray[np.intp]:
     return deps
 
 
-def _run_rounds(orders: StageOrders, fwd: FloatArray, bwd: FloatArray, comm_s: float) -> FloatArray:
+def _run_rounds(
+    orders: StageOrders, fwd: FloatArray, bwd: FloatArray, comm_s: float, poll_max_s: float = 0.0
+) -> FloatArray:
     """Each stage's finish time; see the module docstring for the round structure."""
     num_stages, num_microbatches = orders.num_stages, orders.num_microbatches
     row = 2 * num_microbatches + 1
@@ -206,7 +219,8 @@ def _run_rounds(orders: StageOrders, fwd: FloatArray, bwd: FloatArray, comm_s: f
         if count == 0:
             raise ValueError("the action orders deadlock: no stage can run its next action")
         s, action = stages[ready], next_action[ready]
-        finish = np.maximum(free_s[s], end_s[dep[ready]] + comm_s) + duration_flat[action]
+        start = noticed_s(end_s[dep[ready]] + comm_s, free_s[s], poll_max_s)
+        finish = start + duration_flat[action]
         end_s[action] = finish
         finished[action] = True
         free_s[s] = finish
