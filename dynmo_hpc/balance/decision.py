@@ -123,7 +123,8 @@ def rank_bytes(moves: Sequence[Move], layer_bytes: Sequence[float], num_ranks: i
     """Per rank, the bytes it sends plus the bytes it receives in one migration of ``moves``.
 
     Why the sum, not the larger of the two: a rank's sends and receives share its one MPI
-    progress thread and its one hashing thread (see the module docstring).
+    progress loop, which also hashes what it receives, and its hashing thread (see the module
+    docstring).
     """
     traffic = [0.0] * num_ranks
     for move in moves:

@@ -279,8 +279,9 @@ def migrate(
 
     Every rank must call it with the same ``new_parts``. All moves are in flight at once (every
     send and receive is posted before any is waited on), so moves between different pairs of
-    ranks overlap; a rank's own sends and receives share its progress loop and its one hashing
-    thread, which is why the decision rule prices a rank's bytes sent plus received. Tags: move
+    ranks overlap; a rank's own sends and receives share its progress loop (which also hashes
+    what it receives) and its cores, which is why the decision rule prices a rank's bytes sent
+    plus received. Tags: move
     ``i`` of the plan uses ``2i`` and ``2i + 1``, checked against the MPI tag limit. ``on_chunk``
     is for fault-injection tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
     """
