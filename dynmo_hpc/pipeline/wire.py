@@ -20,7 +20,8 @@ idle in a probe loop while the sender hashed. Here the three overlap:
   several times longer). The digests follow the data as a small trailer. XXH3 (``xxhash``,
   about 31 GB/s from memory here) releases the GIL. Also tried and measured no faster: hashing
   each chunk on the sender before sending it (so that the copy reads it from cache), hashing it
-  after its send completes, larger receive windows, and 4-64 MiB chunks.
+  after its send completes, rebuilding after the last chunk instead of on the meta's arrival,
+  larger receive windows, and 4-64 MiB chunks.
 - Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory; the
   receiver receives into one fresh allocation per transfer, whose slices become the rebuilt
   tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
