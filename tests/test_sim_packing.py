@@ -9,6 +9,7 @@ import pytest
 
 from dynmo_hpc.cli import main
 from dynmo_hpc.sim.replay import CostReport, PackingSetup, ReplaySetup, replay
+from dynmo_hpc.sim.runlog_traces import packing_setup
 
 COSTS = [1.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0]
 """One heavy layer sets the pace: 3 stages are as fast as 4 (the packing docstring's case)."""
@@ -83,3 +84,13 @@ def test_cli_packing_policy_and_restart_overhead(capsys: pytest.CaptureFixture[s
     assert table[2].split()[4] == "4" and table[3].split()[4] == "3"
     assert main([*argv, "--restart-overhead-s", "-1"]) == 2
     assert "restart_overhead_s" in capsys.readouterr().err
+
+
+def test_restart_overhead_comes_from_the_run() -> None:
+    """The job's setting first; null: the run's measured resizes (median); none: 10 s."""
+    assert packing_setup({"restart_overhead_s": 3.0}, [5.7]).restart_overhead_s == 3.0
+    assert packing_setup({"restart_overhead_s": None}, [5.7, 9.0, 6.1]).restart_overhead_s == 6.1
+    assert packing_setup({"restart_overhead_s": None}, []).restart_overhead_s == 10.0
+    setup = packing_setup({"interval": 3, "policy": "node_hours", "min_stages": 2}, [])
+    assert (setup.interval, setup.policy, setup.min_stages) == (3, "node_hours", 2)
+    assert packing_setup(None, [4.0]) == PackingSetup(restart_overhead_s=4.0)

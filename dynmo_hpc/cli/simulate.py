@@ -150,7 +150,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--restart-overhead-s",
         type=float,
         help="seconds one resize onto fewer stages stops training, for the packing policy "
-        "(default: the run's elastic.restart_overhead_s, or 10)",
+        "(default: the run's elastic.restart_overhead_s, else its measured resizes' median, "
+        "else 10)",
     )
     p.add_argument(
         "--cores",

@@ -8,6 +8,7 @@ run log's tables (``docs/runlog.md``) and config, and turns them into
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,17 +126,29 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
         smoothing=float(balance["smoothing"]),
         tokens_per_microbatch=micro_batch * seq_len,
         activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
-        packing=_packing(run.config.get("elastic")),
+        packing=packing_setup(run.config.get("elastic"), _resize_totals_s(run)),
         step_wall_s_per_cpu_s=measured_wall_s_per_cpu_s(run, steps),
     )
 
 
-def _packing(elastic: Any) -> PackingSetup:
-    """A run's ``elastic`` section as a :class:`PackingSetup` (defaults where absent)."""
+def _resize_totals_s(run: RunLog) -> list[float]:
+    """Seconds each resize of the run stopped training (its ``resize`` events' ``total_s``)."""
+    rows = run.events[run.events["kind"] == "resize"]
+    return [float(d["total_s"]) for d in rows["detail"] if isinstance(d, dict) and "total_s" in d]
+
+
+def packing_setup(elastic: Any, resize_totals_s: list[float]) -> PackingSetup:
+    """A run's ``elastic`` section as a :class:`PackingSetup` (defaults where absent).
+
+    The restart overhead is the section's ``restart_overhead_s``; if that is null (measure
+    it), the median of the run's own measured resizes; if it never resized, the default.
+    """
     if not isinstance(elastic, dict):
-        return PackingSetup()
+        elastic = {}
     default = PackingSetup()
     overhead = elastic.get("restart_overhead_s")
+    if overhead is None and resize_totals_s:
+        overhead = statistics.median(resize_totals_s)
     return PackingSetup(
         interval=int(elastic.get("interval", default.interval)),
         policy=str(elastic.get("policy", default.policy)),
