@@ -29,7 +29,7 @@ idle in a probe loop while the sender hashed. Here the three overlap:
 Where the time of a 2-rank migration goes on the project's 2-core VM (``docs/architecture.md``,
 "Migration", has the measurements): the copy into fresh memory, at the bare ``Recv``'s own
 rate; the two hash passes, which share the two cores and the memory bandwidth with the copy;
-and a fixed 2-4 ms of Python (pickling and unpickling the object graph, building the optimizer,
+and about 4 ms of Python (pickling and unpickling the object graph, building the optimizer,
 the collective that agrees on the outcome).
 
 Waiting never spins: the loop sleeps with a growing back-off (at most ``max_sleep_s``) whenever
@@ -294,9 +294,9 @@ class _Exchange:
         Why a window, not every receive at once: when the data is already waiting (the sender
         posts all its sends first), shared-memory MPI copies a chunk inside the ``Irecv`` call
         itself. Posting them all copied the whole layer before any chunk could be hashed, and
-        the receiver's hash pass then ran after the copy instead of beside it (measured, 151 MB:
-        17 ms of copy, then 5-6 ms of hashing). A window of a few chunks lets the hash thread
-        work on chunk ``k`` while the main thread copies chunk ``k + 1``; on a network it keeps
+        the hash pass then ran over memory long out of cache (measured, 151 MB: 17 ms of copy,
+        then 5-6 ms of hashing). With a window each chunk is hashed soon after it lands,
+        between the copies of the next ones; on a network the window keeps
         ``window x chunk_bytes`` in flight, far more than a link's bandwidth-delay product.
         """
         src, tag = item.src, item.tag + 1

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dynmo_hpc.balance import partition
@@ -208,26 +208,52 @@ def _initial_parts(policy: str, report: CostReport, num_stages: int) -> list[int
     return partition(costs, num_stages, "uniform")
 
 
-def _step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup, k: float) -> float:
-    """One step on ``parts`` with ``report``'s costs, in wall seconds at ``k`` wall per CPU."""
+def _step_times_s(
+    report: CostReport, parts: list[int], setup: ReplaySetup, ratios: Iterable[float]
+) -> dict[float, float]:
+    """One step on ``parts`` with ``report``'s costs, in wall seconds, per wall-per-CPU ratio
+    in ``ratios`` (the stage times and the ranks' own sharing are worked out once for all)."""
     m, extra = setup.num_microbatches, setup.overheads
     params = [sum(report.num_params[a:b]) for a, b in itertools.pairwise(parts)]
     forward = stage_times_s(report.forward_s, parts, m)
     backward = stage_times_s(report.backward_s, parts, m)
     cores = setup.cores if setup.cores is not None and setup.cores < len(forward) else None
-    if cores is not None:
-        k = external_wall_s_per_cpu_s(forward, backward, m, setup, k)
-    return simulate_step(
-        [k * x for x in forward],
-        [k * x for x in backward],
-        m,
+    own = 1.0 if cores is None else sharing_ratio(forward, backward, m, setup)
+    out = {}
+    for ratio in set(ratios):
+        k = ratio if cores is None else max(1.0, ratio / own)
+        out[ratio] = simulate_step(
+            [k * x for x in forward],
+            [k * x for x in backward],
+            m,
+            setup.schedule,
+            comm_s=setup.comm_s,
+            action_overhead_s=k * extra.action_s,
+            stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
+            cores=cores,
+            poll_max_s=setup.poll_max_s,
+        ).step_time_s
+    return out
+
+
+def sharing_ratio(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_microbatches: int,
+    setup: ReplaySetup,
+) -> float:
+    """Wall seconds per CPU second of the layers when the stages share ``setup.cores`` and
+    nothing else runs: the simulated ratio of the same layers (no overheads) at full speed."""
+    shared = simulate_step(
+        forward_s,
+        backward_s,
+        num_microbatches,
         setup.schedule,
         comm_s=setup.comm_s,
-        action_overhead_s=k * extra.action_s,
-        stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
-        cores=cores,
-        poll_max_s=setup.poll_max_s,
-    ).step_time_s
+        cores=setup.cores,
+    )
+    cpu_s = num_microbatches * (sum(forward_s) + sum(backward_s))
+    return sum(shared.busy_s) / cpu_s if cpu_s > 0 else 1.0
 
 
 def external_wall_s_per_cpu_s(
@@ -242,22 +268,12 @@ def external_wall_s_per_cpu_s(
 
     A run's measured ratio (layer wall seconds over layer CPU seconds) includes the slowdown of
     its ranks sharing the cores with each other, which the shared-cores simulation reproduces
-    itself; applied on top, it would count that twice. So it is divided by the simulated
-    ratio of the same layers (no overheads) at full speed. Never below 1: no load makes the
+    itself; applied on top, it would count that twice. So it is divided by
+    :func:`sharing_ratio`. Never below 1: no load makes the
     ranks faster than sharing the cores perfectly (a measured ratio below the simulated one is
     noise).
     """
-    shared = simulate_step(
-        forward_s,
-        backward_s,
-        num_microbatches,
-        setup.schedule,
-        comm_s=setup.comm_s,
-        cores=setup.cores,
-    )
-    cpu_s = num_microbatches * (sum(forward_s) + sum(backward_s))
-    own = sum(shared.busy_s) / cpu_s if cpu_s > 0 else 1.0
-    return max(1.0, measured / own)
+    return max(1.0, measured / sharing_ratio(forward_s, backward_s, num_microbatches, setup))
 
 
 def replay(
@@ -299,7 +315,7 @@ def replay(
         ratios = [
             per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)
         ]
-        simulated = {k: _step_time_s(report, parts, setup, k) for k in set(ratios)}
+        simulated = _step_times_s(report, parts, setup, ratios)
         step_times_s.extend(simulated[k] for k in ratios)
         node_s += sum(simulated[k] for k in ratios) * nodes_for(len(parts) - 1, ranks_per_node)
         # The interval's last step is a report step (the trainer also reports after the last).
@@ -363,7 +379,8 @@ def _plan_pack(
     have measured: here the simulated one (at the report's wall-per-CPU ratio, overheads
     included). Memory capacity is not modelled (every candidate fits)."""
     pk = setup.packing
-    measured_s = _step_time_s(report, parts, setup, report.wall_s_per_cpu_s)
+    k = report.wall_s_per_cpu_s
+    measured_s = _step_times_s(report, parts, setup, [k])[k]
     plan = plan_pack(
         costs_s,
         parts,
