@@ -26,11 +26,11 @@ idle in a probe loop while the sender hashed. Here the three overlap:
   receiver receives into one fresh allocation per transfer, whose slices become the rebuilt
   tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
 
-Where the time of a 2-rank migration goes on the project's 2-core VM (``docs/architecture.md``,
-"Migration", has the measurements): the copy into fresh memory, at the bare ``Recv``'s own
+Where the time of a 2-rank migration goes on the project's 2-core VM
+(``benchmarks/profile_migration.py``; ``docs/architecture.md``, "Migration", has the figures): the copy into fresh memory, at the bare ``Recv``'s own
 rate; the two hash passes, which share the two cores and the memory bandwidth with the copy;
-and about 4 ms of Python (pickling and unpickling the object graph, building the optimizer,
-the collective that agrees on the outcome).
+and 1.6-2.3 ms of Python per layer (walking it, pickling and unpickling the object graph,
+building the optimizer), plus the collective that agrees on the outcome.
 
 Waiting never spins: the loop sleeps with a growing back-off (at most ``max_sleep_s``) whenever
 an MPI test made no progress (a rank that busy-polls steals a core from the ones doing the copy).
