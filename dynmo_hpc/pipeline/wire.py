@@ -27,10 +27,11 @@ idle in a probe loop while the sender hashed. Here the three overlap:
   tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
 
 Where the time of a 2-rank migration goes on the project's 2-core VM
-(``benchmarks/profile_migration.py``; ``docs/architecture.md``, "Migration", has the figures): the copy into fresh memory, at the bare ``Recv``'s own
-rate; the two hash passes, which share the two cores and the memory bandwidth with the copy;
-and 1.6-2.3 ms of Python per layer (walking it, pickling and unpickling the object graph,
-building the optimizer), plus the collective that agrees on the outcome.
+(``benchmarks/profile_migration.py``; ``docs/architecture.md``, "Migration", has the figures):
+the chunked copy into fresh memory, slower than one bare ``Recv``; the two hash passes, which
+share the two cores and the memory bandwidth with the copy; and 1.6-2.3 ms of Python per layer
+(walking it, pickling and unpickling the object graph, building the optimizer), plus the
+collective that agrees on the outcome.
 
 Waiting never spins: the loop sleeps with a growing back-off (at most ``max_sleep_s``) whenever
 an MPI test made no progress (a rank that busy-polls steals a core from the ones doing the copy).
