@@ -87,7 +87,7 @@ def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
         for slot in stage.slots:
             for p in slot.module.parameters():
                 p.grad = torch.zeros_like(p)
-            slot.optimizer.step()
+        stage.optimizer_step(cfg.train.lr, 1.0)
         ours, raw = [], []
         parts = [[0, 2, 4], [0, 1, 4]]  # layer 1 goes 0 -> 1, then back
         for rep in range(WARMUP_ROUNDS):  # untimed: see WARMUP_ROUNDS

@@ -29,6 +29,7 @@ from dynmo_hpc.pipeline.comm import StageLink
 from dynmo_hpc.pipeline.costs import LayerSize
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import LayerTimer, make_timer
+from dynmo_hpc.pipeline.host_memory import layer_tensors, rehome
 from dynmo_hpc.pipeline.schedule import Action
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class LayerSlot:
     optimizer: torch.optim.Optimizer
     forward_timer: LayerTimer
     backward_timer: LayerTimer
+    in_arena: bool = False
+    """Whether its large storages live in one huge-page arena (see
+    :mod:`dynmo_hpc.pipeline.host_memory`): true for a layer that arrived by migration, and for
+    every CPU layer after its first optimizer step."""
 
 
 @dataclass
@@ -117,12 +122,19 @@ class PipelineStage:
         )
 
     # ------------------------------------------------------------------ ownership
-    def make_slot(self, index: int, module: nn.Module) -> LayerSlot:
-        module = module.to(self.device)
+    def make_slot(
+        self, index: int, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> LayerSlot:
+        """A slot for global layer ``index``: ``module`` moved to this stage's device with a new
+        optimizer, or, with ``optimizer`` (a migrated layer's own), both used as they are: they
+        must already be on this stage's device."""
+        if optimizer is None:
+            module = module.to(self.device)
+            optimizer = build_optimizer(module, self.cfg.train)
         return LayerSlot(
             index=index,
             module=module,
-            optimizer=build_optimizer(module, self.cfg.train),
+            optimizer=optimizer,
             forward_timer=make_timer(self.device),
             backward_timer=make_timer(self.device),
         )
@@ -284,3 +296,7 @@ class PipelineStage:
             set_lr(slot.optimizer, lr)
             slot.optimizer.step()
             slot.optimizer.zero_grad(set_to_none=True)
+            if not slot.in_arena and self.device.type == "cpu" and slot.optimizer.state:
+                # Once, when the AdamW moments exist: a migration sends from here at full speed.
+                rehome(layer_tensors(slot.module, slot.optimizer))
+                slot.in_arena = True

@@ -57,11 +57,13 @@ import torch
 import xxhash
 from mpi4py import MPI
 
+from dynmo_hpc.pipeline.host_memory import ALIGN_BYTES, POOL
+
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 2 << 20
 """Chunk size: small enough that a chunk is still in cache when it is hashed after arrival, large
-enough that the per-message cost (tens of microseconds) is under 1 % of its transfer."""
+enough that the per-message cost (tens of microseconds) is small beside its transfer."""
 
 RECV_WINDOW = 2
 """Chunk receives posted ahead per transfer (see :meth:`_Exchange._post_receives`)."""
@@ -194,35 +196,19 @@ def exchange(
         pool.shutdown(wait=True)
 
 
-BUFFER_ALIGN_BYTES = 4096
-"""Where each received buffer starts inside its transfer's one allocation (page-aligned, as a
-tensor's own allocation would be)."""
-
-
 def _receive_buffers(sizes: Sequence[int], pin_memory: bool) -> list[torch.Tensor]:
-    """Fresh host buffers of ``sizes`` bytes that will become tensor storages on the receiver,
-    carved from one allocation per transfer.
-
-    Why one allocation, by numpy: first-touch page faults, not the copy, set the speed of a
-    receive into fresh memory. numpy asks the kernel for transparent huge pages on arrays of
-    4 MiB and more, torch does not; and a layer's storages are often smaller than 4 MiB (a
-    512-wide block with AdamW state: twelve of 1-4 MB), so they would fault in 4 KiB pages even
-    from numpy. Measured on this project's VM: receiving 151 MB into ``torch.empty`` took 1.8x as
-    long as into one ``np.empty``, and a 37.8 MB layer received into one buffer per storage
-    reached half the rate of a bare ``Recv`` into one array. ``torch.from_numpy`` of a slice
-    gives each buffer a storage of its own over that memory (no copy); the allocation lives as
-    long as any of them. Pinned buffers (staging for a GPU, never tensor storages) are carved
-    from one pinned tensor the same way.
-    """
+    """Host buffers of ``sizes`` bytes that will become tensor storages on the receiver: one
+    huge-page arena per transfer, recycled when this rank gave a layer away before
+    (:mod:`.host_memory` says why both matter). Pinned buffers (staging for a GPU, never tensor
+    storages) are carved from one pinned tensor instead."""
+    if not pin_memory:
+        return POOL.buffers(sizes)
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
-        total += -(-size // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
-    if pin_memory:
-        pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        return [pinned[a : a + n] for a, n in zip(offsets, sizes, strict=True)]
-    arena = np.empty(total, dtype=np.uint8)
-    return [torch.from_numpy(arena[a : a + n]) for a, n in zip(offsets, sizes, strict=True)]
+        total += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+    pinned = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    return [pinned[a : a + n] for a, n in zip(offsets, sizes, strict=True)]
 
 
 class _Exchange:
