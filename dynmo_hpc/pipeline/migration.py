@@ -96,7 +96,9 @@ def _storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
     return (str(storage.device), storage.data_ptr())
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
 
 
 def _rebuild_tensor(*args: Any) -> Any:
@@ -208,7 +210,9 @@ class _StorageUnpickler(pickle.Unpickler):
         untyped = self.sources[kind][index]
         if dtype is None:
             return untyped
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=_DTYPES[dtype], _internal=True)
+        return torch.storage.TypedStorage(
+            wrap_storage=untyped, dtype=_DTYPES[dtype], _internal=True
+        )
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
