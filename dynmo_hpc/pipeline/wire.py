@@ -46,7 +46,6 @@ objects over the buffers before they are full; the buffers are verified when the
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ import torch
 import xxhash
 from mpi4py import MPI
 
+from dynmo_hpc.pipeline.comm import MIGRATION_YIELD_S, Backoff, fine_timer_slack
 from dynmo_hpc.pipeline.host_memory import ALIGN_BYTES, POOL
 
 log = logging.getLogger(__name__)
@@ -150,21 +150,6 @@ def _header(item: Outgoing) -> np.ndarray:
     return arr
 
 
-class _Progress:
-    """The shared back-off: sleep only after a round in which nothing completed."""
-
-    def __init__(self, max_sleep_s: float) -> None:
-        self.max_sleep_s = max_sleep_s
-        self.sleep_s = 0.0
-
-    def round(self, progressed: bool) -> None:
-        if progressed:
-            self.sleep_s = 0.0
-            return
-        self.sleep_s = min(self.max_sleep_s, max(2e-5, self.sleep_s * 2))
-        time.sleep(self.sleep_s)
-
-
 def exchange(
     comm: MPI.Comm,
     outgoing: Sequence[Outgoing],
@@ -175,6 +160,8 @@ def exchange(
     max_sleep_s: float = 1e-4,
     on_chunk: Callable[[Incoming, int, np.ndarray], None] | None = None,
     window: int = RECV_WINDOW,
+    yield_s: float = MIGRATION_YIELD_S,
+    on_received: Callable[[], Sequence[Any]] | None = None,
 ) -> None:
     """Send every ``outgoing`` and receive every ``incoming`` concurrently; verify on arrival.
 
@@ -183,15 +170,22 @@ def exchange(
     caller decides collectively. ``pin_memory`` allocates receive buffers in page-locked memory
     (for a following copy to a GPU). ``on_chunk`` sees each received chunk before it is hashed
     (fault injection in tests: what a bit flip on the wire would look like). ``window``: chunk
-    receives posted ahead per transfer (:meth:`_Exchange._post_receives`).
+    receives posted ahead per transfer (:meth:`_Exchange._post_receives`). ``yield_s``: how long
+    a wait yields the core before it sleeps (:class:`~dynmo_hpc.pipeline.comm.Backoff`).
+
+    ``on_received`` is called once every incoming transfer is in and verified and every trailer
+    is posted, while this rank's sends may still be draining. It may post nonblocking requests
+    (the collective that agrees on the outcome), which the loop then waits for together with
+    the sends: a sender need not first wait for its sends and only then start the agreement.
     """
     if window < 1:
         raise ValueError(f"window={window!r} must be >= 1")
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynmo-hash")
     try:
-        _Exchange(comm, pool, chunk_bytes, pin_memory, on_chunk, window).run(
-            outgoing, incoming, _Progress(max_sleep_s)
-        )
+        with fine_timer_slack():
+            _Exchange(comm, pool, chunk_bytes, pin_memory, on_chunk, window).run(
+                outgoing, incoming, Backoff(max_sleep_s, yield_s), on_received
+            )
     finally:
         pool.shutdown(wait=True)
 
@@ -343,7 +337,11 @@ class _Exchange:
         return True
 
     def run(
-        self, outgoing: Sequence[Outgoing], incoming: Sequence[Incoming], progress: _Progress
+        self,
+        outgoing: Sequence[Outgoing],
+        incoming: Sequence[Incoming],
+        progress: Backoff,
+        on_received: Callable[[], Sequence[Any]] | None,
     ) -> None:
         for item in outgoing:
             self._post_sends(item)
@@ -354,7 +352,9 @@ class _Exchange:
         self.send_requests = [r for item in outgoing for r in item._requests]
         trailers_due = list(outgoing)
         waiting = list(incoming)
-        while waiting or self.recv_requests or trailers_due or self.send_requests:
+        received = False
+        agreement: list[Any] = []
+        while not received or self.send_requests or agreement:
             progressed = False
             for item in list(waiting):
                 take = self._take_header if item._stage == 0 else self._take_meta
@@ -371,12 +371,24 @@ class _Exchange:
                     self.send_requests.append(request)
                     trailers_due.remove(item)
                     progressed = True
+            receiving = bool(waiting or self.recv_requests)
+            if not received and not receiving and not trailers_due:
+                for item in incoming:
+                    _verify(item)
+                received = progressed = True
+                if on_received is not None:
+                    agreement = list(on_received())
             if self.send_requests and MPI.Request.Testall(self.send_requests):
                 self.send_requests = []
                 progressed = True
-            progress.round(progressed)
-        for item in incoming:
-            _verify(item)
+            if agreement and MPI.Request.Testall(agreement):
+                agreement = []
+                progressed = True
+            # Yield (not sleep) only where a late wake-up delays the migration: while receiving
+            # (this rank copies), and at the end when only the agreement is left. A sender
+            # whose sends are still being copied sleeps, leaving the cores to the copy and the
+            # hashing (yielding there measured no faster).
+            progress.round(progressed, urgent=receiving or not self.send_requests)
 
 
 def _verify(item: Incoming) -> None:
