@@ -144,13 +144,13 @@ def _large_storages(tensors: Sequence[torch.Tensor]) -> dict[int, torch.UntypedS
     return found
 
 
-def in_one_arena(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every large storage among ``tensors`` is a buffer of one pool arena."""
+def in_one_arena(tensors: Sequence[torch.Tensor], pool: ArenaPool = POOL) -> bool:
+    """Whether every large storage among ``tensors`` is a buffer of one arena of ``pool``."""
     storages = list(_large_storages(tensors).values())
     if not storages:
         return True
-    with POOL._lock:
-        arenas = list(POOL._live.values())
+    with pool._lock:
+        arenas = list(pool._live.values())
     for arena, _ in arenas:
         start = arena.ctypes.data
         end = start + arena.size
@@ -160,8 +160,18 @@ def in_one_arena(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def layer_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor a layer owns: parameters, buffers (persistent or not) and optimizer state."""
+    """Every tensor a layer owns: parameters, buffers (persistent or not), optimizer state, and
+    tensors that a submodule holds as plain attributes (a view of a weight, say), directly or
+    in a list, tuple or dict: :func:`rehome` must re-point every tensor over a storage it
+    moves, or such a view would silently keep the old memory."""
     found = [*module.parameters(), *module.buffers()]
+    for sub in module.modules():
+        for value in vars(sub).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple, dict)):
+                found += [v for v in items if isinstance(v, torch.Tensor)]
     for entry in optimizer.state.values():
         found += [value for value in entry.values() if isinstance(value, torch.Tensor)]
     return found
@@ -184,7 +194,7 @@ def rehome(tensors: Sequence[torch.Tensor], pool: ArenaPool = POOL) -> int:
         old = torch.empty(0, dtype=torch.uint8).set_(storages[key])
         buffer.copy_(old)
         new_storage[key] = buffer.untyped_storage()
-    for tensor in tensors:
+    for tensor in tensors:  # a tensor listed twice is skipped the second time: already moved
         storage = new_storage.get(tensor.untyped_storage().data_ptr())
         if storage is None or tensor.device.type != "cpu":
             continue

@@ -303,6 +303,7 @@ def apply_removals(
             heads = [h for h in range(sub.num_heads) if h not in drop]
             slicing.update(shrink_attention(sub, heads, prefix))
     slot.optimizer = rebuild_optimizer(module, slot.optimizer, old_params, slicing, cfg)
+    slot.in_arena = False  # new tensors: re-homed after the next optimizer step
 
 
 def prune_step(
