@@ -3,11 +3,19 @@
 For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration
 (pickle the module and its AdamW state with storages out of band, send every byte, hash both
 sides, verify, rebuild) and, interleaved in the same run, sends the same number of bytes with a
-bare ``comm.Send`` into a fresh buffer. Each repetition moves the layer one way and back, so the
-two measurements alternate; the table gives medians and the spread of the per-repetition ratio
+bare ``comm.Send`` into a fresh buffer. Every migration is followed by its own bare Send in the
+same direction; the table gives medians, and the median and range of the per-migration ratio
 (raw time / migration time: 1.0 is wire speed).
 
+Two kinds of migration alternate, each moving the layer one way and back:
+- "migrate": the steady state of a rebalance that moves layers back and forth between
+  neighbours. The receiver receives into memory recycled from the layer it gave away before
+  (``dynmo_hpc.pipeline.host_memory``), so it pays no page faults.
+- "first move": the receiver takes fresh memory, as for a layer's first move into a rank,
+  and pays the same page faults as the bare Send.
+
     .venv/bin/python benchmarks/bench_migration.py [--reps 9] [--device cpu|cuda] [--json OUT]
+        [--d-models 256,512,1024]
 (re-launches itself under the venv's mpiexec with 2 ranks)
 """
 
@@ -34,16 +42,22 @@ freed pages to reuse); both measurements receive into fresh buffers, and until t
 have such pages the first rounds of either measure the host, not the transfer."""
 
 
-def one_round(comm: Any, stage: Any, parts: list[list[int]], rep: int) -> tuple[float, float, int]:
+def one_round(
+    comm: Any, stage: Any, parts: list[list[int]], rep: int, fresh: bool = False
+) -> tuple[float, float, int]:
     """One migration and one bare Send of as many bytes in the same direction: (migration s,
-    Send s, bytes), each the slowest rank's."""
+    Send s, bytes), each the slowest rank's. ``fresh``: the receiver takes fresh memory."""
+    import contextlib
+
     import numpy as np
     from mpi4py import MPI
 
+    from dynmo_hpc.pipeline.host_memory import POOL
     from dynmo_hpc.pipeline.migration import migrate
 
     comm.Barrier()
-    stats = migrate(stage, comm, parts[(rep + 1) % 2])
+    with POOL.fresh() if fresh else contextlib.nullcontext():
+        stats = migrate(stage, comm, parts[(rep + 1) % 2])
     total_bytes = comm.allreduce(stats.bytes_sent, op=MPI.SUM)
     ours_s = comm.allreduce(stats.seconds, op=MPI.MAX)
     src = 0 if rep % 2 == 0 else 1
@@ -59,7 +73,9 @@ def one_round(comm: Any, stage: Any, parts: list[list[int]], rep: int) -> tuple[
     return ours_s, raw_s, total_bytes
 
 
-def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
+def rank_main(
+    reps: int, device_name: str, json_path: str | None, d_models: tuple[int, ...] = D_MODELS
+) -> None:
     import torch
     from mpi4py import MPI
 
@@ -72,7 +88,7 @@ def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
     comm = MPI.COMM_WORLD
     device = pick_device(device_name)
     rows = []
-    for d_model in D_MODELS:
+    for d_model in d_models:
         cfg = config_mod.from_dict(
             {
                 "model": {"num_blocks": 2, "d_model": d_model, "num_heads": 8, "d_ff": 4 * d_model},
@@ -88,41 +104,43 @@ def rank_main(reps: int, device_name: str, json_path: str | None) -> None:
             for p in slot.module.parameters():
                 p.grad = torch.zeros_like(p)
         stage.optimizer_step(cfg.train.lr, 1.0)
-        ours, raw = [], []
         parts = [[0, 2, 4], [0, 1, 4]]  # layer 1 goes 0 -> 1, then back
         for rep in range(WARMUP_ROUNDS):  # untimed: see WARMUP_ROUNDS
-            one_round(comm, stage, parts, rep)
-        for rep in range(reps):
-            ours_s, raw_s, total_bytes = one_round(comm, stage, parts, rep)
-            ours.append(ours_s)
-            raw.append(raw_s)
-        ratios = [r / o for r, o in zip(raw, ours, strict=True)]
-        rows.append(
-            {
-                "d_model": d_model,
-                "layer_bytes": total_bytes,
-                "migrate_s": statistics.median(ours),
-                "raw_s": statistics.median(raw),
-                "ratio_median": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
-            }
-        )
+            one_round(comm, stage, parts, rep, fresh=rep >= WARMUP_ROUNDS // 2)
+        times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(reps):
+            for fresh in (False, True):  # each kind one way and back
+                for direction in range(2):
+                    ours_s, raw_s, total_bytes = one_round(comm, stage, parts, direction, fresh)
+                    times[fresh].append((ours_s, raw_s))
+        row: dict[str, Any] = {"d_model": d_model, "layer_bytes": total_bytes}
+        row["raw_s"] = statistics.median(r for pairs in times.values() for _, r in pairs)
+        for fresh, key in ((False, "migrate"), (True, "first_move")):
+            ratios = [r / o for o, r in times[fresh]]
+            row[f"{key}_s"] = statistics.median(o for o, _ in times[fresh])
+            row[f"{key}_ratio_median"] = statistics.median(ratios)
+            row[f"{key}_ratio_min"] = min(ratios)
+            row[f"{key}_ratio_max"] = max(ratios)
+        rows.append(row)
     if comm.rank == 0:
         print(
-            f"{'d_model':>8}{'layer MB':>10}{'migrate GB/s':>14}{'raw Send GB/s':>15}"
-            f"{'ratio':>8}{'ratio range':>14}"
+            f"{'d_model':>8}{'layer MB':>10}{'raw Send GB/s':>15}{'migrate GB/s':>14}"
+            f"{'ratio':>7}{'range':>11}{'first move GB/s':>17}{'ratio':>7}{'range':>11}"
         )
         for r in rows:
             nbytes = r["layer_bytes"]
-            print(
-                f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}{nbytes / r['migrate_s'] / 1e9:>14.2f}"
-                f"{nbytes / r['raw_s'] / 1e9:>15.2f}{r['ratio_median']:>8.2f}"
-                f"{r['ratio_min']:>8.2f}-{r['ratio_max']:.2f}"
-            )
+            line = f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}{nbytes / r['raw_s'] / 1e9:>15.2f}"
+            for key, width in (("migrate", 14), ("first_move", 17)):
+                line += (
+                    f"{nbytes / r[f'{key}_s'] / 1e9:>{width}.2f}{r[f'{key}_ratio_median']:>7.2f}"
+                    f"{r[f'{key}_ratio_min']:>6.2f}-{r[f'{key}_ratio_max']:.2f}"
+                )
+            print(line)
         print(
-            f"({reps} repetitions on {device}; ratio = raw Send time / migration time, median and "
-            "range; migrate = pickle module + AdamW state, send, hash both sides, verify, rebuild)"
+            f"({2 * reps} migrations of each kind on {device}, each beside its own bare Send; "
+            "ratio = raw Send time / migration time, median and range. migrate = pickle module + "
+            "AdamW state, send, hash both sides, verify, rebuild, into recycled memory; first "
+            "move = the same into fresh memory)"
         )
         if json_path:
             Path(json_path).write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
@@ -133,16 +151,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", default=None, help="also write the table as JSON here")
+    parser.add_argument(
+        "--d-models",
+        default=",".join(map(str, D_MODELS)),
+        help="layer widths, comma-separated (default %(default)s: 9.5, 37.8 and 151 MB)",
+    )
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        rank_main(args.reps, args.device, args.json)
+        rank_main(
+            args.reps, args.device, args.json, tuple(int(d) for d in args.d_models.split(","))
+        )
         return
     from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
 
     launcher = LocalMpiLauncher()
     argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
-    argv += ["--device", args.device] + (["--json", args.json] if args.json else [])
+    argv += ["--device", args.device, "--d-models", args.d_models]
+    argv += ["--json", args.json] if args.json else []
     cmd = launcher.command(LaunchSpec(2, argv))
     env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING"}
     raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)

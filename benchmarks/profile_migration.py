@@ -4,11 +4,14 @@ Two parts, both on the layers of ``bench_migration.py`` (d_model 512 and 1024: 3
 with AdamW state):
 
 1. In one process, median milliseconds of the Python a migration runs on the critical path:
-   walking the layer (``pack_layer``), pickling its object graph (``meta()``), unpickling it over
-   the storages, and building and loading the optimizer (``unpack_layer``'s last steps).
+   walking the layer (``pack_layer``), pickling its object graph with its optimizer (``meta()``)
+   and rebuilding the slot over the storages (``unpack_layer``), each with warm caches and
+   right after a 64 MB copy has flushed them (as in a migration, where the bytes of the layer
+   have just gone through the caches).
 2. On 2 ranks, interleaved, after warm-up rounds: a bare ``comm.Send`` of the layer's bytes into
    a fresh buffer; ``wire.exchange`` of the same storages (chunked, hashed on both sides,
-   verified); and the same exchange with the digest replaced by a constant (hashing off).
+   verified) into recycled memory and into fresh memory; and the exchange with the digest
+   replaced by a constant (hashing off).
 
     .venv/bin/python benchmarks/profile_migration.py [--reps 12]
 (part 2 re-launches itself under the venv's mpiexec with 2 ranks)
@@ -17,9 +20,7 @@ with AdamW state):
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -34,98 +35,98 @@ D_MODELS = (512, 1024)
 WARMUP_ROUNDS = 4
 
 
-def _layer(d_model: int) -> Any:
-    """A block with real AdamW state, as a LayerSlot-like object."""
+def _stage(d_model: int) -> Any:
+    """A one-process stage owning layers 0-1 of a 2-stage job, with real AdamW state (its
+    layers re-homed into host-memory arenas by the optimizer step, as in training)."""
     import torch
+    from mpi4py import MPI
 
     from dynmo_hpc import config as config_mod
-    from dynmo_hpc.model.optim import build_optimizer
-    from dynmo_hpc.model.schemes import build_layer
+    from dynmo_hpc.pipeline.comm import StageLink
+    from dynmo_hpc.pipeline.data import TextDataset
+    from dynmo_hpc.pipeline.stage import PipelineStage
 
     cfg = config_mod.from_dict(
         {
             "model": {"num_blocks": 2, "d_model": d_model, "num_heads": 8, "d_ff": 4 * d_model},
+            "pipeline": {"num_stages": 2, "partition": [0, 2, 4]},
             "runtime": {"device": "cpu"},
         }
     )
-    module = build_layer(cfg, 1)
-    optimizer = build_optimizer(module, cfg.train)
-    for p in module.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-
-    class Slot:
-        index = 1
-
-    slot = Slot()
-    slot.module, slot.optimizer = module, optimizer  # type: ignore[attr-defined]
-    return cfg, slot
+    device = torch.device("cpu")
+    link = StageLink(MPI.COMM_SELF, 0, 2, device)
+    dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+    stage = PipelineStage(cfg, 0, [0, 2, 4], link, dataset, device)
+    for slot in stage.slots:
+        for p in slot.module.parameters():
+            p.grad = torch.zeros_like(p)
+    stage.optimizer_step(cfg.train.lr, 1.0)
+    return stage
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int = 20) -> float:
+def _median_ms(fn: Callable[[], Any], flush: Callable[[], Any] | None, repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
-def _python_row(d_model: int) -> str:
-    import torch
-
-    from dynmo_hpc.model.optim import build_optimizer
+def _python_row(d_model: int, flush: Callable[[], Any] | None) -> str:
     from dynmo_hpc.pipeline import migration
 
-    cfg, slot = _layer(d_model)
+    stage = _stage(d_model)
+    slot = stage.slots[1]
     packed = migration.pack_layer(slot)
     storages = [b.untyped_storage() for b in packed.buffers]
-    outer = pickle.loads(packed.meta())
+    meta = packed.meta()
 
-    def unpickle() -> Any:
-        inline = [
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage()
-            if raw
-            else torch.empty(0, dtype=torch.uint8).untyped_storage()
-            for raw in outer["inline"]
-        ]
-        graph = io.BytesIO(outer["graph"])
-        return migration._StorageUnpickler(graph, storages, inline).load()
-
-    payload = unpickle()
-
-    def optimizer() -> None:
-        build_optimizer(payload["module"], cfg.train).load_state_dict(payload["optimizer"])
+    def unpack() -> Any:
+        return migration.unpack_layer(stage, meta, storages, slot.index)
 
     return (
-        f"{d_model:>8}{_median_ms(lambda: migration.pack_layer(slot)):>9.2f}"
-        f"{_median_ms(packed.meta):>11.2f}{_median_ms(unpickle):>13.2f}"
-        f"{_median_ms(optimizer):>14.2f}"
+        f"{d_model:>8}{'cold' if flush else 'warm':>7}"
+        f"{_median_ms(lambda: migration.pack_layer(slot), flush):>9.2f}"
+        f"{_median_ms(packed.meta, flush):>11.2f}{_median_ms(unpack, flush):>11.2f}"
     )
 
 
 def python_parts() -> None:
+    import numpy as np
     import torch
 
     torch.set_num_threads(1)
-    print(f"{'d_model':>8}{'pack ms':>9}{'pickle ms':>11}{'unpickle ms':>13}{'optimizer ms':>14}")
+    source = np.ones(64 << 20, dtype=np.uint8)
+    target = np.empty_like(source)
+
+    def flush() -> None:
+        target[:] = source
+
+    print(f"{'d_model':>8}{'caches':>7}{'pack ms':>9}{'pickle ms':>11}{'unpack ms':>11}")
     for d_model in D_MODELS:
-        print(_python_row(d_model))
+        print(_python_row(d_model, None))
+        print(_python_row(d_model, flush))
 
 
 def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
-    """Median ms of a bare Send, an exchange and an exchange with hashing off (slowest rank)."""
+    """Median ms of a bare Send, an exchange (into recycled and into fresh memory) and an
+    exchange with hashing off (slowest rank)."""
+    import contextlib
+
     import numpy as np
     from mpi4py import MPI
 
     from dynmo_hpc.pipeline import migration, wire
+    from dynmo_hpc.pipeline.host_memory import POOL
 
     real_digest = wire.digest
-    _, slot = _layer(d_model)
-    buffers = migration.pack_layer(slot).buffers
+    buffers = migration.pack_layer(_stage(d_model).slots[1]).buffers
     total = sum(int(b.numel()) for b in buffers)
     big = np.ones(total, dtype=np.uint8)
-    times: dict[str, list[float]] = {"send": [], "exchange": [], "nohash": []}
+    times: dict[str, list[float]] = {"send": [], "exchange": [], "fresh": [], "nohash": []}
 
     def one(kind: str, src: int) -> float:
         comm.Barrier()
@@ -137,13 +138,15 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
                 into = np.empty(total, dtype=np.uint8)
                 comm.Recv([into, MPI.BYTE], source=src, tag=9)
         else:
-            wire.digest = real_digest if kind == "exchange" else (lambda data: 0)
+            wire.digest = (lambda data: 0) if kind == "nohash" else real_digest
+            memory = POOL.fresh() if kind == "fresh" else contextlib.nullcontext()
             try:
                 if comm.rank == src:
                     wire.exchange(comm, [wire.Outgoing(1 - src, 0, b"meta", buffers)], [])
                 else:
                     incoming = wire.Incoming(src, 0)
-                    wire.exchange(comm, [], [incoming])
+                    with memory:
+                        wire.exchange(comm, [], [incoming])
                     if incoming.error:
                         raise RuntimeError(incoming.error)
             finally:
@@ -165,13 +168,17 @@ def rank_main(reps: int) -> None:
     rows = {d_model: _wire_row(comm, d_model, reps) for d_model in D_MODELS}
     if comm.rank == 0:
         print(f"\n{'d_model':>8}{'MB':>8}{'bare Send ms':>14}{'exchange ms':>13}", end="")
-        print(f"{'hashing off ms':>16}")
+        print(f"{'into fresh ms':>15}{'hashing off ms':>16}")
         for d_model, r in rows.items():
             print(
                 f"{d_model:>8}{r['mb']:>8.1f}{r['send']:>14.2f}{r['exchange']:>13.2f}"
-                f"{r['nohash']:>16.2f}"
+                f"{r['fresh']:>15.2f}{r['nohash']:>16.2f}"
             )
-        print(f"(medians of {reps} each, interleaved, directions alternating)")
+        print(
+            f"(medians of {reps} each, interleaved, directions alternating; the bare Send "
+            "receives into fresh memory, the exchange into recycled memory, as a migration "
+            "does once the rank has given a layer away)"
+        )
 
 
 def main() -> None:

@@ -90,5 +90,5 @@ def test_gpu_migration_bench_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["d_model"] for r in rows] == [256, 512, 1024]
-    assert all(r["migrate_s"] > 0 and r["ratio_median"] > 0 for r in rows)
+    assert all(r["migrate_s"] > 0 and r["migrate_ratio_median"] > 0 for r in rows)
     print(proc.stdout)

@@ -60,6 +60,7 @@ class ArenaPool:
     def __init__(self, max_free_arenas: int = 2) -> None:
         self.max_free_arenas = max_free_arenas
         self.enabled = True
+        """False within :meth:`fresh`: requests take fresh memory."""
         self._free: list[np.ndarray] = []
         """Arenas no tensor uses, oldest first."""
         self._live: dict[int, list[Any]] = {}
@@ -104,7 +105,7 @@ class ArenaPool:
             if entry[1] > 0:
                 return
             del self._live[key]
-            if self.enabled and self.max_free_arenas > 0:
+            if self.max_free_arenas > 0:
                 self._free.append(entry[0])
                 del self._free[: -self.max_free_arenas]
 
@@ -120,10 +121,10 @@ class ArenaPool:
 
     @contextmanager
     def fresh(self) -> Iterator[None]:
-        """Within the block, take fresh memory and keep nothing (to measure the first move of a
-        layer, before any memory was recycled)."""
+        """Within the block, requests take fresh memory (arenas released meanwhile are still
+        kept): what a layer's first move into a rank costs, before it has memory to recycle."""
         with self._lock:
-            saved, self.enabled, self._free = self.enabled, False, []
+            saved, self.enabled = self.enabled, False
         try:
             yield
         finally:

@@ -1,46 +1,43 @@
 """Checksummed bulk transfer between ranks: many byte buffers, all in flight at once, verified.
 
-Why a module of its own: migration is only as fast as this loop. Profiling the old migration of
-a 151 MB layer (weights plus both AdamW moments) showed it ran three phases one after the other:
-the sender checksummed every tensor (zlib CRC-32), then the bytes moved, then the receiver
-checksummed them again. Each checksum took longer than the transfer itself, and the receiver sat
-idle in a probe loop while the sender hashed. Here the three overlap:
+Why a module of its own: migration is only as fast as this loop. Profiling the first migration
+code of a 151 MB layer (weights plus both AdamW moments) showed three phases one after the
+other: the sender checksummed every tensor (zlib CRC-32), then the bytes moved, then the
+receiver checksummed them again, and the receiver sat idle in a probe loop while the sender
+hashed. Here they overlap:
 
-- Buffers go out in chunks (``chunk_bytes``), each its own ``Isend``/``Irecv``. A sender posts
-  all its sends at once, so all moves of a rebalance are in flight together, each pair of ranks
-  on its own point-to-point link. A receiver posts its chunk receives a small window ahead
-  (:meth:`_Exchange._post_receives`; one chunk from a rank on its node, several from another
-  node): shared-memory MPI copies a waiting chunk inside the receive call, and posting more
-  copies the next chunk over the one still to be hashed.
-- The receiver hashes each chunk in its main thread as soon as it lands (still in cache): in a
-  worker thread, competing for the two cores with the copy and the sender's hashing, it
-  measured 5-8% slower (37.8 and 151 MB layers, interleaved, 20 migrations each). The sender
-  hashes its chunks in a worker thread while the receiver pulls them, starting after the meta
-  is out (the meta is on the receiver's critical path; pickling beside a hash thread took
-  several times longer). The digests follow the data as a small trailer. XXH3 (``xxhash``,
-  about 31 GB/s from memory here) releases the GIL. Also tried and measured no faster: hashing
-  each chunk on the sender before sending it (so that the copy reads it from cache), hashing it
-  after its send completes, rebuilding after the last chunk instead of on the meta's arrival,
-  larger receive windows, and 4-64 MiB chunks.
-- Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory; the
-  receiver receives into one fresh allocation per transfer, whose slices become the rebuilt
-  tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
+- Buffers go out in chunks (``chunk_bytes``, 1 MiB), each its own ``Isend``/``Irecv``. A sender
+  posts all its sends at once, so all moves of a rebalance are in flight together, each pair of
+  ranks on its own point-to-point link. A receiver keeps a small window of chunk receives
+  posted (:meth:`_Exchange._post_receives`): one chunk from a rank on its node, several from
+  another node. Shared-memory MPI copies a waiting chunk inside the receive call, and a second
+  receive posted early copies the next chunk over the one still to be hashed.
+- The receiver hashes each chunk in its main thread as soon as it lands, still in its core's
+  cache. The sender hashes in one long-lived worker thread while the receiver pulls, starting
+  after the meta is out (the meta is on the receiver's critical path). The digests follow the
+  data as a small trailer. XXH3 (``xxhash``, about 31 GB/s from memory here) releases the GIL.
+- Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory (a
+  layer's storages live in one huge-page arena, see :mod:`.host_memory`); the receiver receives
+  into one arena per transfer, recycled from a layer it gave away when it can, whose slices
+  become the rebuilt tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
+- Waits yield the core for a moment before they sleep
+  (:class:`~dynmo_hpc.pipeline.comm.Backoff`): a sleep ends late, and a migration is a chain of
+  short waits. A sender whose sends are still being copied sleeps at once, leaving the cores
+  to the copy and the hashing.
+- The collective that agrees on the outcome is posted as soon as this rank's part is known
+  (``on_received``), while its sends still drain.
 
-Where the time of a 2-rank migration goes on the project's 2-core VM
-(``benchmarks/profile_migration.py``; ``docs/architecture.md``, "Migration", has the figures):
-the chunked copy into fresh memory, slower than one bare ``Recv``; the two hash passes, which
-share the two cores and the memory bandwidth with the copy; and 1.6-2.3 ms of Python per layer
-(walking it, pickling and unpickling the object graph, building the optimizer), plus the
-collective that agrees on the outcome.
-
-Waiting never spins: the loop sleeps with a growing back-off (at most ``max_sleep_s``) whenever
-an MPI test made no progress (a rank that busy-polls steals a core from the ones doing the copy).
+Measured, and what each change gave, in ``docs/architecture.md`` ("Migration"). Also tried and
+measured no faster: receiving and hashing in a worker thread while the main thread rebuilds
+the layer, rebuilding in a worker thread, receiving several chunks per call of the loop, and
+(earlier) hashing each chunk on the sender before sending it or after its send completes.
 
 Message layout per transfer (MPI keeps messages with one tag in order): on ``tag``, a header
-``[buffer count, buffer sizes..., its digest]`` then the meta (pickled object graph, made while
-the buffers travel) with its digest appended; on ``tag + 1``, every chunk of every buffer in
-order, then the chunk digests. The receiver verifies the meta on arrival and may rebuild its
-objects over the buffers before they are full; the buffers are verified when the digests come.
+``[buffer count, buffer sizes..., the sender's node, its digest]`` then the meta (pickled
+object graph, made while the buffers travel) with its digest appended; on ``tag + 1``, every
+chunk of every buffer in order, then the chunk digests. The receiver verifies the meta on
+arrival and may rebuild its objects over the buffers before they are full; the buffers are
+verified when the digests come.
 """
 
 from __future__ import annotations
