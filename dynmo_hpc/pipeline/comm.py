@@ -53,10 +53,8 @@ def fine_timer_slack(slack_ns: int = 1000) -> Iterator[None]:
     """Within the block, the calling thread's sleeps end within ``slack_ns`` of their deadline.
 
     Why: Linux lets a sleep overrun by the thread's timer slack (50 us by default) so that it
-    can batch wake-ups. A migration's waits are a few tens of microseconds each; measured on the
-    project's VM, ``time.sleep(1e-4)`` took 192 us with the default slack and 143 us with 1 us,
-    and the receiver noticed a layer's first message up to 0.3 ms late. Where ``prctl`` is
-    missing (not Linux) this does nothing.
+    can batch wake-ups. A migration's waits are a few tens of microseconds each, so that overrun
+    is a large part of each of them. Where ``prctl`` is missing (not Linux) this does nothing.
     """
     if _PRCTL is None:
         yield
@@ -80,9 +78,10 @@ class Backoff:
 
     For the first ``yield_s`` of a wait it calls ``sched_yield``: the core goes to any thread
     that is ready to run, and the wait notices its event within microseconds. After that it
-    sleeps, 20 us growing to ``max_sleep_s``. Why both: a sleep ends late (on the project's VM
-    a receiver polling with sleeps noticed a message 230-450 us after it was sent, against 26-52
-    us with ``sched_yield``), which is what a migration's short waits cannot afford; but a long
+    sleeps, 20 us growing to ``max_sleep_s``. Why both: a sleep ends late (on the project's VM,
+    in a scratch test while developing, a receiver polling with sleeps noticed a message several
+    times later than one polling with ``sched_yield``), which is what a migration's short waits
+    cannot afford; but a long
     wait must not hold a core that a computing rank could use. The pipeline's waits use
     ``yield_s=0``: their late wake-up is what the simulator models.
     """

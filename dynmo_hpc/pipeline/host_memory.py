@@ -1,17 +1,18 @@
 """Huge-page host memory for layer storages, and a pool that recycles it between migrations.
 
-Why migration needs its own host memory (measured on the project's 2-core VM with
-``benchmarks/profile_migration.py``; the figures are in ``docs/architecture.md``, "Migration"):
+Why migration needs its own host memory (found with scratch timings while developing; the kept
+measurements are ``benchmarks/bench_migration.py`` and ``benchmarks/profile_migration.py``,
+whose figures are in the README, "Migration"):
 
 - **Huge pages on the sending side.** Local MPI moves a large message with one copy that the
   receiver makes out of the sender's memory. Out of memory torch allocated itself (4 KiB pages:
-  torch does not ask for transparent huge pages) that copy ran at 0.56-0.60 of the rate out of
-  a numpy allocation (which asks for huge pages from 4 MiB): a layer's storages are copied into
-  one huge-page *arena* per layer once (:func:`rehome_layer`), after its optimizer has state, and
+  torch does not ask for transparent huge pages) that copy ran at little more than half the rate
+  out of a numpy allocation (which asks for huge pages from 4 MiB): a layer's storages are copied
+  into one huge-page *arena* per layer once (:func:`rehome`), after its optimizer has state, and
   a layer that arrives by migration lands in one.
 - **Recycled memory on the receiving side.** Receiving into fresh memory pays the kernel's page
-  faults and zeroing: a bare ``Recv`` of 151 MB took 14.4 ms into a fresh buffer and 8.8 ms into
-  one already touched. When a layer leaves a rank its arena returns to this process's
+  faults and zeroing (``profile_migration.py`` shows the exchange into fresh and into recycled
+  memory side by side). When a layer leaves a rank its arena returns to this process's
   :class:`ArenaPool` (once no tensor uses it any more), and the next layer to arrive is received
   into it. A rebalance that moves a layer back and forth between two neighbours (the common
   case as load drifts) then never faults; a rank that receives more than it gave away takes
@@ -49,8 +50,14 @@ MAX_FIT_RATIO = 1.25
 does not pin a large arena."""
 
 
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN_BYTES) * ALIGN_BYTES
+def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where buffers of ``sizes`` bytes start when laid out page-aligned in one allocation, and
+    the allocation's size."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, total
 
 
 class ArenaPool:
@@ -72,10 +79,7 @@ class ArenaPool:
     def buffers(self, sizes: Sequence[int]) -> list[torch.Tensor]:
         """uint8 CPU tensors of ``sizes`` bytes, each page-aligned, all from one arena (a free
         one when one fits, else fresh memory). Their contents are undefined."""
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += _aligned(size)
+        offsets, total = aligned_offsets(sizes)
         arena = self._take(total)
         views = [arena[a : a + n] for a, n in zip(offsets, sizes, strict=True)]
         with self._lock:
@@ -113,11 +117,6 @@ class ArenaPool:
         """Bytes held in free arenas, waiting for the next arrival."""
         with self._lock:
             return sum(a.size for a in self._free)
-
-    def clear(self) -> None:
-        """Give every free arena back to the operating system."""
-        with self._lock:
-            self._free = []
 
     @contextmanager
     def fresh(self) -> Iterator[None]:

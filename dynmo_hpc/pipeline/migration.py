@@ -16,8 +16,8 @@ serialisation, no copy). The receiver receives into one host arena per layer
 (:mod:`.host_memory`), and the unpickled module and optimizer are built *on those buffers*:
 nothing is copied or re-initialised (unpickling a module does not run its ``__init__``; the
 optimizer arrives as an object whose state is keyed by the module's own parameters, ready to
-step). Tensors are reduced by hand (:class:`_StoragePickler`), which halved the pickling and
-unpickling time against torch's own reduction.
+step). Tensors are reduced by hand (:class:`_StoragePickler`), cheaper than torch's own
+reduction (``benchmarks/profile_migration.py`` times the pickling and the rebuild).
 
 Devices: storages may live on a GPU. They are staged through (pinned) host buffers, one copy
 each way, because migration runs over MPI; the receiver builds its storages on *its* device, so
@@ -51,7 +51,7 @@ from torch import nn
 from dynmo_hpc.balance import plan_moves
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.comm import wait_quietly
-from dynmo_hpc.pipeline.host_memory import POOL
+from dynmo_hpc.pipeline.host_memory import LARGE_STORAGE_BYTES, POOL, layer_tensors
 from dynmo_hpc.pipeline.wire import (
     CHUNK_BYTES,
     Incoming,
@@ -67,9 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INLINE_BYTES = 64 << 10
+INLINE_BYTES = LARGE_STORAGE_BYTES
 """Storages up to this size travel inside the pickle (AdamW's scalar step counts, norms, masks):
-one message instead of dozens of tiny ones, still covered by the pickle's digest."""
+one message instead of dozens of tiny ones, still covered by the pickle's digest. The larger
+ones are exactly those a layer's arena holds (:mod:`.host_memory`)."""
 
 
 class MigrationError(DynmoError, RuntimeError):
@@ -93,8 +94,6 @@ class PackedLayer:
 
     meta: Callable[[], bytes]
     buffers: list[torch.Tensor]
-    names: list[list[str]]
-    """Per buffer: the tensors that live in it (for error messages)."""
 
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[bool, int]:
@@ -125,11 +124,11 @@ class _StoragePickler(pickle.Pickler):
     find) travels inline, as bytes in the pickle. Storages are deduplicated, so views share one.
 
     Why ``reducer_override`` and not ``persistent_id``: the pickler calls ``persistent_id`` for
-    every object in the graph (1600 for a 512-wide block with its AdamW state: half of the
-    pickling time), ``reducer_override`` only for objects that are not plain ints, strings,
+    every object in the graph (about 1600 for a 512-wide block with its AdamW state),
+    ``reducer_override`` only for objects that are not plain ints, strings,
     dicts, lists or tuples. A plain tensor or parameter (dense, no Python attributes of its
     own: every tensor of our layers) is reduced to its storage reference, offset, shape and
-    strides, and rebuilt with one ``set_``: torch's own rebuild took about 11 us a tensor. Any
+    strides, and rebuilt with one ``set_`` (torch's own rebuild goes through much more Python). Any
     other tensor takes torch's own reduction, whose storage still comes here.
     """
 
@@ -226,36 +225,19 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _layer_tensors(slot: LayerSlot) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor the layer owns by name: parameters, buffers, AdamW state."""
-    params = list(slot.module.named_parameters())
-    found = [(f"module.{n}", t) for n, t in params]
-    found += [(f"module.{n}", t) for n, t in slot.module.named_buffers()]
-    names = {id(t): n for n, t in params}
-    for param, entry in slot.optimizer.state.items():
-        found += [
-            (f"optimizer.{names.get(id(param), '?')}.{key}", value)
-            for key, value in entry.items()
-            if isinstance(value, torch.Tensor)
-        ]
-    return found
-
-
 def pack_layer(slot: LayerSlot) -> PackedLayer:
     """The layer's large storages, found by walking its tensors (no pickling yet), plus a function
     that pickles the object graph (module with all scheme state, optimizer with its state)
     around them. The layer itself is not changed or moved."""
     large: dict[tuple[bool, int], int] = {}
     buffers: list[torch.Tensor] = []
-    names: list[list[str]] = []
     staged = False
-    for name, tensor in _layer_tensors(slot):
+    for tensor in layer_tensors(slot.module, slot.optimizer):
         storage = tensor.untyped_storage()
         if storage.nbytes() <= INLINE_BYTES:
             continue
         key = _storage_key(storage)
         if key in large:
-            names[large[key]].append(name)
             continue
         view = _bytes_view(storage)
         if view.device.type != "cpu":  # stage to the host: MPI sends host memory
@@ -264,7 +246,6 @@ def pack_layer(slot: LayerSlot) -> PackedLayer:
             view, staged = host, True
         large[key] = len(buffers)
         buffers.append(view)
-        names.append([name])
     if staged:
         torch.cuda.synchronize()
 
@@ -273,12 +254,12 @@ def pack_layer(slot: LayerSlot) -> PackedLayer:
         pickler = _StoragePickler(stream, large)
         # The optimizer object itself, not its state_dict: its state is keyed by the very
         # parameters of the module (one pickle memo), so the receiver gets it ready to step,
-        # without building an AdamW and loading a state_dict (0.4 ms of a 37.8 MB layer's move).
+        # without building an AdamW and loading a state_dict.
         pickler.dump({"index": slot.index, "module": slot.module, "optimizer": slot.optimizer})
         outer = {"graph": stream.getvalue(), "inline": pickler.inline}
         return pickle.dumps(outer, protocol=pickle.HIGHEST_PROTOCOL)
 
-    return PackedLayer(meta=meta, buffers=buffers, names=names)
+    return PackedLayer(meta=meta, buffers=buffers)
 
 
 def unpack_layer(
@@ -371,7 +352,7 @@ def migrate(
     is for fault-injection tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
     """
     # No cyclic garbage collection in the middle of a move: unpickling a layer allocates enough
-    # objects to trigger one (3% of a rank's time in a profile of back-to-back migrations).
+    # objects to trigger one (seen in a profile of back-to-back migrations while developing).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:

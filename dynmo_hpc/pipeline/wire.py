@@ -55,16 +55,16 @@ import xxhash
 from mpi4py import MPI
 
 from dynmo_hpc.pipeline.comm import MIGRATION_YIELD_S, Backoff, fine_timer_slack
-from dynmo_hpc.pipeline.host_memory import ALIGN_BYTES, POOL
+from dynmo_hpc.pipeline.host_memory import POOL, aligned_offsets
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 """Chunk size: small enough that a chunk is still in cache (a core's L2 here) when it is hashed
 right after it lands, large enough that the per-message cost (tens of microseconds) is small
-beside its transfer. Measured on the project's VM, interleaved, 16 migrations each, with one
-chunk in flight: 1 MiB moved 37.8 / 151 MB layers at 0.87 / 0.97 of a bare ``Send``, 512 KiB at
-0.86 / 0.92, 2 MiB at 0.84 / 0.96, 4 MiB at 0.82 / 0.93."""
+beside its transfer. Chosen by timing 512 KiB to 4 MiB chunks against each other in scratch
+scripts while developing (not kept): 1 MiB was fastest for both 37.8 and 151 MB layers; the
+kept measurement is ``benchmarks/bench_migration.py``."""
 
 RECV_WINDOW_LOCAL = 1
 """Chunk receives in flight per transfer from a rank on the same node (see
@@ -207,9 +207,9 @@ def exchange(
 
 @functools.cache
 def _hash_thread() -> ThreadPoolExecutor:
-    """The sender's hash thread, started once per process: starting a thread for every
-    migration took 7% of a rank's time in a profile of back-to-back 37.8 MB migrations
-    (``py-spy``; a thread start costs hundreds of microseconds on the project's VM)."""
+    """The sender's hash thread, started once per process: a ``py-spy`` profile of back-to-back
+    migrations (a scratch run while developing) showed a thread start per migration as one
+    of the larger costs on the project's VM."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynmo-hash")
 
 
@@ -220,10 +220,7 @@ def _receive_buffers(sizes: Sequence[int], pin_memory: bool) -> list[torch.Tenso
     storages) are carved from one pinned tensor instead."""
     if not pin_memory:
         return POOL.buffers(sizes)
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+    offsets, total = aligned_offsets(sizes)
     pinned = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
     return [pinned[a : a + n] for a, n in zip(offsets, sizes, strict=True)]
 
@@ -306,9 +303,9 @@ class _Exchange:
         the hash pass then ran over memory long out of cache (measured, 151 MB: 17 ms of copy,
         then 5-6 ms of hashing). From a sender on the same node the window is one chunk: copy
         it, hash it while it is still in this core's cache, then post the next. A second
-        receive posted before the hash copies another chunk over the first one in the cache:
-        measured, interleaved, 16 migrations each, 2 MiB chunks moved 37.8 / 151 MB layers at
-        0.87 / 0.94 of a bare ``Send`` with one in flight and 0.74 / 0.85 with two. From
+        receive posted before the hash copies another chunk over the first one in the cache
+        (timed against each other in scratch scripts while developing, not kept: one in
+        flight was clearly faster than two for 37.8 and 151 MB layers). From
         another node the network moves the data while this rank hashes, so several chunks
         stay in flight (:data:`RECV_WINDOW_REMOTE` x ``chunk_bytes``, far more than a link's
         bandwidth-delay product).
