@@ -81,9 +81,8 @@ class Backoff:
     sleeps, 20 us growing to ``max_sleep_s``. Why both: a sleep ends late (on the project's VM,
     in a scratch test while developing, a receiver polling with sleeps noticed a message several
     times later than one polling with ``sched_yield``), which is what a migration's short waits
-    cannot afford; but a long
-    wait must not hold a core that a computing rank could use. The pipeline's waits use
-    ``yield_s=0``: their late wake-up is what the simulator models.
+    cannot afford; but a long wait must not hold a core that a computing rank could use. The
+    pipeline's waits use ``yield_s=0``: their late wake-up is what the simulator models.
     """
 
     def __init__(self, max_sleep_s: float = WAIT_MAX_SLEEP_S, yield_s: float = 0.0) -> None:
