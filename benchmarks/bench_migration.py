@@ -3,16 +3,20 @@
 For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration
 (pickle the module and its AdamW state with storages out of band, send every byte, hash both
 sides, verify, rebuild) and, interleaved in the same run, sends the same number of bytes with a
-bare ``comm.Send`` into a fresh buffer. Every migration is followed by its own bare Send in the
-same direction; the table gives medians, and the median and range of the per-migration ratio
-(raw time / migration time: 1.0 is wire speed).
+bare ``comm.Send`` into the same kind of memory. Every migration is followed by its own bare
+Send in the same direction; the table gives medians, and the median and range of the
+per-migration ratio (raw time / migration time: 1.0 is wire speed).
 
 Two kinds of migration alternate, each moving the layer one way and back:
 - "migrate": the steady state of a rebalance that moves layers back and forth between
   neighbours. The receiver receives into memory recycled from the layer it gave away before
-  (``dynmo_hpc.pipeline.host_memory``), so it pays no page faults.
-- "first move": the receiver takes fresh memory, as for a layer's first move into a rank,
-  and pays the same page faults as the bare Send.
+  (``dynmo_hpc.pipeline.host_memory``), so it pays no page faults; its bare Send receives into
+  a buffer the rank has used before, which pays none either.
+- "first move": the receiver takes fresh memory, as for a layer's first move into a rank; its
+  bare Send receives into a fresh buffer, with the same page faults.
+
+Both bare Sends send from one buffer per rank, written once (real memory, not the kernel's
+shared zero page that an untouched ``np.zeros`` buffer reads from).
 
     .venv/bin/python benchmarks/bench_migration.py [--reps 9] [--device cpu|cuda] [--json OUT]
         [--d-models 256,512,1024]
@@ -42,11 +46,16 @@ freed pages to reuse); both measurements receive into fresh buffers, and until t
 have such pages the first rounds of either measure the host, not the transfer."""
 
 
+_SEND_BUFFERS: dict[int, Any] = {}
+"""Per size: the buffer this rank sends from and receives into, reused (written once)."""
+
+
 def one_round(
     comm: Any, stage: Any, parts: list[list[int]], rep: int, fresh: bool = False
 ) -> tuple[float, float, int]:
     """One migration and one bare Send of as many bytes in the same direction: (migration s,
-    Send s, bytes), each the slowest rank's. ``fresh``: the receiver takes fresh memory."""
+    Send s, bytes), each the slowest rank's. ``fresh``: the migration's and the Send's receiver
+    take fresh memory; else both receive into memory used before."""
     import contextlib
 
     import numpy as np
@@ -61,14 +70,14 @@ def one_round(
     total_bytes = comm.allreduce(stats.bytes_sent, op=MPI.SUM)
     ours_s = comm.allreduce(stats.seconds, op=MPI.MAX)
     src = 0 if rep % 2 == 0 else 1
-    buf = np.ones(total_bytes, dtype=np.uint8) if comm.rank == src else None
+    used = _SEND_BUFFERS.setdefault(total_bytes, np.ones(total_bytes, dtype=np.uint8))
     comm.Barrier()
     t0 = time.perf_counter()
     if comm.rank == src:
-        comm.Send([buf, MPI.BYTE], dest=1 - src, tag=3)
+        comm.Send([used, MPI.BYTE], dest=1 - src, tag=3)
     else:
-        buf = np.empty(total_bytes, dtype=np.uint8)
-        comm.Recv([buf, MPI.BYTE], source=src, tag=3)
+        into = np.empty(total_bytes, dtype=np.uint8) if fresh else used
+        comm.Recv([into, MPI.BYTE], source=src, tag=3)
     raw_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     return ours_s, raw_s, total_bytes
 
@@ -114,9 +123,9 @@ def rank_main(
                     ours_s, raw_s, total_bytes = one_round(comm, stage, parts, direction, fresh)
                     times[fresh].append((ours_s, raw_s))
         row: dict[str, Any] = {"d_model": d_model, "layer_bytes": total_bytes}
-        row["raw_s"] = statistics.median(r for pairs in times.values() for _, r in pairs)
         for fresh, key in ((False, "migrate"), (True, "first_move")):
             ratios = [r / o for o, r in times[fresh]]
+            row[f"{key}_raw_s"] = statistics.median(r for _, r in times[fresh])
             row[f"{key}_s"] = statistics.median(o for o, _ in times[fresh])
             row[f"{key}_ratio_median"] = statistics.median(ratios)
             row[f"{key}_ratio_min"] = min(ratios)
@@ -124,23 +133,27 @@ def rank_main(
         rows.append(row)
     if comm.rank == 0:
         print(
-            f"{'d_model':>8}{'layer MB':>10}{'raw Send GB/s':>15}{'migrate GB/s':>14}"
-            f"{'ratio':>7}{'range':>11}{'first move GB/s':>17}{'ratio':>7}{'range':>11}"
+            f"{'d_model':>8}{'layer MB':>10}{'Send GB/s':>11}{'migrate GB/s':>14}"
+            f"{'ratio':>7}{'range':>11}{'Send fresh GB/s':>17}{'first move GB/s':>17}"
+            f"{'ratio':>7}{'range':>11}"
         )
         for r in rows:
             nbytes = r["layer_bytes"]
-            line = f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}{nbytes / r['raw_s'] / 1e9:>15.2f}"
-            for key, width in (("migrate", 14), ("first_move", 17)):
+            line = f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}"
+            for key, width in (("migrate", 11), ("first_move", 17)):
                 line += (
-                    f"{nbytes / r[f'{key}_s'] / 1e9:>{width}.2f}{r[f'{key}_ratio_median']:>7.2f}"
+                    f"{nbytes / r[f'{key}_raw_s'] / 1e9:>{width}.2f}"
+                    f"{nbytes / r[f'{key}_s'] / 1e9:>{width + 3 if width == 11 else width}.2f}"
+                    f"{r[f'{key}_ratio_median']:>7.2f}"
                     f"{r[f'{key}_ratio_min']:>6.2f}-{r[f'{key}_ratio_max']:.2f}"
                 )
             print(line)
         print(
             f"({2 * reps} migrations of each kind on {device}, each beside its own bare Send; "
             "ratio = raw Send time / migration time, median and range. migrate = pickle module + "
-            "AdamW state, send, hash both sides, verify, rebuild, into recycled memory; first "
-            "move = the same into fresh memory)"
+            "AdamW state, send, hash both sides, verify, rebuild, into recycled memory, beside "
+            "a Send into a buffer used before; first move = the same into fresh memory, beside "
+            "a Send into a fresh buffer)"
         )
         if json_path:
             Path(json_path).write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))

@@ -30,4 +30,5 @@ def test_bench_migration_runs_and_reports_both_kinds(tmp_path):
     for key in ("migrate", "first_move"):
         assert row[f"{key}_s"] > 0
         assert 0 < row[f"{key}_ratio_min"] <= row[f"{key}_ratio_median"] <= row[f"{key}_ratio_max"]
+        assert row[f"{key}_raw_s"] > 0
     assert "first move GB/s" in proc.stdout and "recycled memory" in proc.stdout
