@@ -9,9 +9,9 @@ with AdamW state):
    right after a 64 MB copy has flushed them (as in a migration, where the bytes of the layer
    have just gone through the caches).
 2. On 2 ranks, interleaved, after warm-up rounds: a bare ``comm.Send`` of the layer's bytes into
-   a fresh buffer; ``wire.exchange`` of the same storages (chunked, hashed on both sides,
-   verified) into recycled memory and into fresh memory; and the exchange with the digest
-   replaced by a constant (hashing off).
+   a buffer used before and into a fresh one; ``wire.exchange`` of the same storages (chunked,
+   hashed on both sides, verified) into recycled memory and into fresh memory; and the
+   exchange into recycled memory with the digest replaced by a constant (hashing off).
 
     .venv/bin/python benchmarks/profile_migration.py [--reps 12]
 (part 2 re-launches itself under the venv's mpiexec with 2 ranks)
@@ -112,8 +112,8 @@ def python_parts() -> None:
 
 
 def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
-    """Median ms of a bare Send, an exchange (into recycled and into fresh memory) and an
-    exchange with hashing off (slowest rank)."""
+    """Median ms of a bare Send (into used and into fresh memory), an exchange (into recycled
+    and into fresh memory) and an exchange with hashing off (slowest rank)."""
     import contextlib
 
     import numpy as np
@@ -126,16 +126,23 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     buffers = migration.pack_layer(_stage(d_model).slots[1]).buffers
     total = sum(int(b.numel()) for b in buffers)
     big = np.ones(total, dtype=np.uint8)
-    times: dict[str, list[float]] = {"send": [], "exchange": [], "fresh": [], "nohash": []}
+    used = np.ones(total, dtype=np.uint8)
+    times: dict[str, list[float]] = {
+        "send": [],
+        "send_fresh": [],
+        "exchange": [],
+        "fresh": [],
+        "nohash": [],
+    }
 
     def one(kind: str, src: int) -> float:
         comm.Barrier()
         t0 = time.perf_counter()
-        if kind == "send":
+        if kind.startswith("send"):
             if comm.rank == src:
                 comm.Send([big, MPI.BYTE], dest=1 - src, tag=9)
             else:
-                into = np.empty(total, dtype=np.uint8)
+                into = np.empty(total, dtype=np.uint8) if kind == "send_fresh" else used
                 comm.Recv([into, MPI.BYTE], source=src, tag=9)
         else:
             wire.digest = (lambda data: 0) if kind == "nohash" else real_digest
@@ -167,17 +174,21 @@ def rank_main(reps: int) -> None:
     comm = MPI.COMM_WORLD
     rows = {d_model: _wire_row(comm, d_model, reps) for d_model in D_MODELS}
     if comm.rank == 0:
-        print(f"\n{'d_model':>8}{'MB':>8}{'bare Send ms':>14}{'exchange ms':>13}", end="")
-        print(f"{'into fresh ms':>15}{'hashing off ms':>16}")
+        print(
+            f"\n{'d_model':>8}{'MB':>8}{'Send ms':>9}{'exchange ms':>13}{'hashing off ms':>16}",
+            end="",
+        )
+        print(f"{'Send fresh ms':>15}{'exchange fresh ms':>19}")
         for d_model, r in rows.items():
             print(
-                f"{d_model:>8}{r['mb']:>8.1f}{r['send']:>14.2f}{r['exchange']:>13.2f}"
-                f"{r['fresh']:>15.2f}{r['nohash']:>16.2f}"
+                f"{d_model:>8}{r['mb']:>8.1f}{r['send']:>9.2f}{r['exchange']:>13.2f}"
+                f"{r['nohash']:>16.2f}{r['send_fresh']:>15.2f}{r['fresh']:>19.2f}"
             )
         print(
-            f"(medians of {reps} each, interleaved, directions alternating; the bare Send "
-            "receives into fresh memory, the exchange into recycled memory, as a migration "
-            "does once the rank has given a layer away)"
+            f"(medians of {reps} each, interleaved, directions alternating. Send, exchange and "
+            "hashing off receive into memory used before (the exchange into memory recycled "
+            "from a layer the rank gave away, as a migration does then); the fresh columns "
+            "into fresh memory)"
         )
 
 
