@@ -14,9 +14,9 @@ predictions over the coming interval, both in seconds:
   sends *plus* what it receives: ``max over stages of (bytes sent + bytes received)``. This is
   how :func:`dynmo_hpc.pipeline.migration.migrate` runs: every move is posted at once, so moves
   between different pairs of ranks proceed concurrently, but on each rank one thread drives MPI
-  progress for all of its transfers and one worker thread hashes every chunk it sends and every
-  chunk it receives (:mod:`dynmo_hpc.pipeline.wire`), so a rank's own sends and receives share
-  that time instead of overlapping. ``bandwidth_bytes_per_s`` is the rate of one transfer between
+  progress for all of its transfers and hashes every chunk it sends and every chunk it receives
+  (:mod:`dynmo_hpc.pipeline.wire`), so a rank's own sends and receives share that time instead
+  of overlapping. ``bandwidth_bytes_per_s`` is the rate of one transfer between
   two ranks (:func:`~dynmo_hpc.pipeline.migration.measure_bandwidth`, then what the last migration
   achieved in these units), so a single move of ``b`` bytes is priced ``b / bandwidth``.
 
@@ -123,7 +123,7 @@ def rank_bytes(moves: Sequence[Move], layer_bytes: Sequence[float], num_ranks: i
     """Per rank, the bytes it sends plus the bytes it receives in one migration of ``moves``.
 
     Why the sum, not the larger of the two: a rank's sends and receives share its one MPI
-    progress loop, which also hashes what it receives, and its hashing thread (see the module
+    progress loop, which also hashes what it sends and what it receives (see the module
     docstring).
     """
     traffic = [0.0] * num_ranks

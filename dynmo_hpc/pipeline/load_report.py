@@ -138,8 +138,8 @@ class LoadReporting:
         moved = sum(t.bytes_sent for t in totals)
         seconds = max(t.seconds for t in totals)
         # The decision rule prices a migration as the busiest rank's bytes (sent plus received:
-        # they share the rank's progress and hashing threads) / bandwidth, so the bandwidth it
-        # learns is exactly that ratio, as this migration achieved it.
+        # they share the rank's one progress loop, which hashes both) / bandwidth, so the
+        # bandwidth it learns is exactly that ratio, as this migration achieved it.
         busiest = max(t.bytes_sent + t.bytes_received for t in totals)
         if busiest and seconds > 0:
             self.bandwidth_bytes_per_s = busiest / seconds

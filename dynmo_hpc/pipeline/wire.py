@@ -10,8 +10,8 @@ hashed. Here they overlap:
   posts all its sends at once, so all moves of a rebalance are in flight together, each pair of
   ranks on its own point-to-point link. A receiver keeps a small window of chunk receives
   posted (:meth:`_Exchange._post_receives`): one chunk from a rank on its node, several from
-  another node. Shared-memory MPI copies a waiting chunk inside the receive call, and a second
-  receive posted early copies the next chunk over the one still to be hashed.
+  another node. Shared-memory MPI copies a waiting chunk inside the receiver's own MPI calls,
+  and a second receive posted early copies the next chunk over the one still to be hashed.
 - The receiver hashes each chunk in its main thread as soon as it lands, still in its core's
   cache. The sender hashes each chunk in step with the receiver's copy
   (:meth:`_Exchange._hash_ahead`): chunk ``k`` once the receiver has taken chunk ``k - 1``, so
@@ -31,10 +31,12 @@ hashed. Here they overlap:
 - The collective that agrees on the outcome is posted as soon as this rank's part is known
   (``on_received``), while its sends still drain.
 
-Measured, and what each change gave, in ``docs/architecture.md`` ("Migration"). Also tried and
-measured no faster: receiving and hashing in a worker thread while the main thread rebuilds
-the layer, rebuilding in a worker thread, receiving several chunks per call of the loop, and
-(earlier) hashing each chunk on the sender before sending it or after its send completes.
+Measured in the README ("Migration", with the commands). Also tried and measured no faster:
+receiving and hashing in a worker thread while the main thread rebuilds the layer; rebuilding
+in a worker thread (also with a 20-100 us GIL switch interval); hashing received chunks in a
+worker thread (also with the sender hashing in step); receiving several chunks per call of the
+loop; 512 KiB to 4 MiB chunks; and (earlier) hashing each chunk on the sender before sending it
+or after its send completes.
 
 Message layout per transfer (MPI keeps messages with one tag in order): on ``tag``, a header
 ``[buffer count, buffer sizes..., the sender's node, its digest]`` then the meta (pickled
@@ -257,10 +259,10 @@ class _Exchange:
         receiver copies chunk ``k`` (or just before): the receiver's copy and this hash then
         read the same memory at the same time, and it crosses from memory to the caches once.
         Hashing the whole layer in a worker thread while the receiver pulled read every byte
-        twice and took longer (scratch A/B timings while developing, 2 local ranks, recycled
-        memory: 37.7 MB 7.2-7.3 ms in a worker thread, 5.4-6.9 ms in step; 151 MB 22-24 ms and
-        20.5-20.6 ms). It runs after the meta is sent: the meta is on the receiver's critical
-        path."""
+        twice and took longer (scratch A/B timings while developing, not kept: 2 local ranks,
+        recycled memory, medians of 7 interleaved runs: 37.7 MB 7.3 ms (6.9-7.8) in a worker
+        thread, 6.7 ms (5.5-7.2) in step; 151 MB 24.9 ms (23.0-34.4) and 24.0 ms (22.4-26.9)).
+        It runs after the meta is sent: the meta is on the receiver's critical path."""
         views = item._keep[1]
         hashed = False
         while len(item._digests) < len(views):
