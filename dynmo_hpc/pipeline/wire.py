@@ -35,8 +35,10 @@ Measured in the README ("Migration", with the commands). Also tried and measured
 receiving and hashing in a worker thread while the main thread rebuilds the layer; rebuilding
 in a worker thread (also with a 20-100 us GIL switch interval); hashing received chunks in a
 worker thread (also with the sender hashing in step); receiving several chunks per call of the
-loop; 512 KiB to 4 MiB chunks; and (earlier) hashing each chunk on the sender before sending it
-or after its send completes.
+loop; 512 KiB to 4 MiB chunks; Open MPI's shared-memory transport told to put rather than get
+(``OMPI_MCA_btl_sm_flags=send,put,inplace``: no measurable difference) or to copy in and out
+without single copy (``OMPI_MCA_smsc=^cma``: slower); and (earlier) hashing each chunk on the
+sender before sending it or after its send completes.
 
 Message layout per transfer (MPI keeps messages with one tag in order): on ``tag``, a header
 ``[buffer count, buffer sizes..., the sender's node, its digest]`` then the meta (pickled
