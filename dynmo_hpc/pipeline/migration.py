@@ -18,7 +18,7 @@ nothing is copied or re-initialised (unpickling a module does not run its ``__in
 optimizer arrives as an object whose state is keyed by the module's own parameters, ready to
 step). Tensors are reduced by hand (:class:`_StoragePickler`), cheaper than torch's own
 reduction (``benchmarks/profile_migration.py`` times the pickling and the rebuild). It is not
-yet at wire speed: between two local ranks on 2 cores it reaches 0.5-0.66 of a bare ``Send``
+yet at wire speed: between two local ranks on 2 cores it reaches 0.49-0.66 of a bare ``Send``
 for 38-151 MB layers, because the receiver hashes and rebuilds on the core whose MPI calls make
 the copy (README, "Migration").
 
