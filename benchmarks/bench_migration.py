@@ -140,10 +140,10 @@ def rank_main(
         for r in rows:
             nbytes = r["layer_bytes"]
             line = f"{r['d_model']:>8}{nbytes / 1e6:>10.1f}"
-            for key, width in (("migrate", 11), ("first_move", 17)):
+            for key, raw_width, ours_width in (("migrate", 11, 14), ("first_move", 17, 17)):
                 line += (
-                    f"{nbytes / r[f'{key}_raw_s'] / 1e9:>{width}.2f}"
-                    f"{nbytes / r[f'{key}_s'] / 1e9:>{width + 3 if width == 11 else width}.2f}"
+                    f"{nbytes / r[f'{key}_raw_s'] / 1e9:>{raw_width}.2f}"
+                    f"{nbytes / r[f'{key}_s'] / 1e9:>{ours_width}.2f}"
                     f"{r[f'{key}_ratio_median']:>7.2f}"
                     f"{r[f'{key}_ratio_min']:>6.2f}-{r[f'{key}_ratio_max']:.2f}"
                 )
