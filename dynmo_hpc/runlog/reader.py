@@ -28,6 +28,7 @@ import yaml
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
 from dynmo_hpc.runlog import precheck, schema
+from dynmo_hpc.runlog.torn_chunk import read_rows
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,9 @@ def _py(value: Any) -> Any:
 
 
 def _events(f: h5py.File, path: Path) -> pd.DataFrame:
-    rows = f[schema.EVENTS.name][()]
+    rows = read_rows(f[schema.EVENTS.name])
     has_segment = schema.SEGMENT_COLUMN in (rows.dtype.names or ())
-    blob = f[schema.EVENT_DETAIL][()].tobytes()
+    blob = read_rows(f[schema.EVENT_DETAIL]).tobytes()
     records = []
     for row in rows:
         start, length = int(row["detail_offset"]), int(row["detail_len"])
@@ -330,7 +331,7 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
         try:
             attrs = {key: _py(value) for key, value in f.attrs.items()}
             _check_is_run_log(path, f, attrs)
-            tables = {spec.name: pd.DataFrame(f[spec.name][()]) for spec in schema.TABLES}
+            tables = {spec.name: pd.DataFrame(read_rows(f[spec.name])) for spec in schema.TABLES}
             events = _events(f, path)
         except (OSError, KeyError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -39,6 +39,7 @@ import numpy as np
 
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.runlog import precheck, schema
+from dynmo_hpc.runlog.torn_chunk import read_rows
 from dynmo_hpc.version import __version__
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ class RunLogWriter:
         _create_tables(dst)
         segments = [-1]
         for spec in schema.TABLES:
-            rows = src[spec.name][()]
+            rows = read_rows(src[spec.name])
             if len(rows):
                 segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
             if redo_from_step is not None and spec.name in schema.STEP_KEYED_TABLES:
@@ -307,7 +308,7 @@ class RunLogWriter:
                 if spec is schema.STEPS:
                     self._num_superseded_rows = int(redone.sum())
             _append(dst[spec.name], rows)
-        detail = src[schema.EVENT_DETAIL][()]
+        detail = read_rows(src[schema.EVENT_DETAIL])
         _append(dst[schema.EVENT_DETAIL], detail)
         self._detail_len_bytes = len(detail)
         self._segment = max(segments) + 1
