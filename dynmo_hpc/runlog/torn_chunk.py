@@ -48,7 +48,7 @@ def read_rows(ds: h5py.Dataset) -> np.ndarray:
             cannot read the dataset for another reason.
     """
     try:
-        return ds[()]
+        return np.asarray(ds[()])
     except OSError as exc:
         if not (is_checksum_failure(exc) and ds.file.swmr_mode and _recoverable_layout(ds)):
             raise
