@@ -36,9 +36,13 @@ receiving and hashing in a worker thread while the main thread rebuilds the laye
 in a worker thread (also with a 20-100 us GIL switch interval); hashing received chunks in a
 worker thread (also with the sender hashing in step); receiving several chunks per call of the
 loop; 512 KiB to 4 MiB chunks; Open MPI's shared-memory transport told to put rather than get
-(``OMPI_MCA_btl_sm_flags=send,put,inplace``: no measurable difference) or to copy in and out
-without single copy (``OMPI_MCA_smsc=^cma``: slower); and (earlier) hashing each chunk on the
-sender before sending it or after its send completes.
+(``OMPI_MCA_btl_sm_flags=send,put,inplace``: no measurable difference; an ``Irecv`` of a
+waiting 36 MiB message returns with the copy done whichever of put and get the flags allow, so
+the receiver's core copies in every case) or to copy in and out without single copy
+(``OMPI_MCA_smsc=^cma``: slower); the sender copying each chunk into an MPI shared-memory
+window (``Win.Allocate_shared``) while the receiver hashes the previous one (no faster than
+chunked sends); and (earlier) hashing each chunk on the sender before sending it or after its
+send completes.
 
 Message layout per transfer (MPI keeps messages with one tag in order): on ``tag``, a header
 ``[buffer count, buffer sizes..., the sender's node, its digest]`` then the meta (pickled
