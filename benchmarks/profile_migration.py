@@ -1,6 +1,6 @@
 """Where a migration's time goes: the wire alone with and without hashing, and the Python parts.
 
-Two parts, both on the layers of ``bench_migration.py`` (d_model 512 and 1024: 37.8 and 151 MB
+Three parts, on the layers of ``bench_migration.py`` (d_model 512 and 1024: 37.8 and 151 MB
 with AdamW state):
 
 1. In one process, median milliseconds of the Python a migration runs on the critical path:
@@ -8,13 +8,16 @@ with AdamW state):
    and rebuilding the slot over the storages (``unpack_layer``), each with warm caches and
    right after a 64 MB copy has flushed them (as in a migration, where the bytes of the layer
    have just gone through the caches).
-2. On 2 ranks, interleaved, after warm-up rounds: a bare ``comm.Send`` of the layer's bytes into
+2. In one process, XXH3's speed on a 1 MiB chunk in cache, right after a copy into it, and
+   read from memory (:func:`hash_speeds`).
+3. On 2 ranks, interleaved, after warm-up rounds: a bare ``comm.Send`` of the layer's bytes into
    a buffer used before and into a fresh one; ``wire.exchange`` of the same storages (chunked,
    hashed on both sides, verified) into recycled memory and into fresh memory; and the
-   exchange into recycled memory with the digest replaced by a constant (hashing off).
+   exchange into recycled memory with the digest replaced by a constant (hashing off), and with
+   only the sender or only the receiver hashing the chunks (which side's hashing costs time).
 
     .venv/bin/python benchmarks/profile_migration.py [--reps 12]
-(part 2 re-launches itself under the venv's mpiexec with 2 ranks)
+(part 3 re-launches itself under the venv's mpiexec with 2 ranks)
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+SMALL_BYTES = 64 << 10
+"""Below this a buffer is a header or meta (always hashed, or the exchange refuses it)."""
 sys.path.insert(0, str(ROOT))
 D_MODELS = (512, 1024)
 WARMUP_ROUNDS = 4
@@ -111,6 +116,36 @@ def python_parts() -> None:
         print(_python_row(d_model, flush))
 
 
+def hash_speeds(chunk_bytes: int = 1 << 20, total_bytes: int = 256 << 20) -> None:
+    """XXH3 (the wire's digest) on one chunk: in cache, right after a user-space copy into it,
+    and read from memory. The receiver's hash of a chunk MPI just copied in can be set against
+    these (its time is the 'receiver hashes' column less 'hashing off')."""
+    import numpy as np
+
+    from dynmo_hpc.pipeline.wire import digest
+
+    chunk = np.ones(chunk_bytes, dtype=np.uint8)
+    memory = np.ones(total_bytes, dtype=np.uint8)
+    pieces = [memory[a : a + chunk_bytes] for a in range(0, total_bytes, chunk_bytes)]
+    seconds = {"in cache": 0.0, "after a copy": 0.0, "from memory": 0.0}
+    for piece in pieces:
+        t0 = time.perf_counter()
+        digest(chunk)
+        t1 = time.perf_counter()
+        np.copyto(chunk, piece)
+        t2 = time.perf_counter()
+        digest(chunk)
+        t3 = time.perf_counter()
+        seconds["in cache"] += t1 - t0
+        seconds["after a copy"] += t3 - t2
+    for piece in pieces:  # each read once, long after it was written
+        t0 = time.perf_counter()
+        digest(piece)
+        seconds["from memory"] += time.perf_counter() - t0
+    rates = ", ".join(f"{k} {total_bytes / v / 1e9:.1f} GB/s" for k, v in seconds.items())
+    print(f"\nXXH3 on {chunk_bytes >> 10} KiB chunks: {rates}")
+
+
 def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     """Median ms of a bare Send (into used and into fresh memory), an exchange (into recycled
     and into fresh memory) and an exchange with hashing off (slowest rank)."""
@@ -133,7 +168,13 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
         "exchange": [],
         "fresh": [],
         "nohash": [],
+        "sender_hashes": [],
+        "receiver_hashes": [],
     }
+
+    def chunks_unhashed(data: Any) -> int:
+        """The digest with chunks (but not the small header and meta) left unhashed."""
+        return 0 if data.nbytes >= SMALL_BYTES else real_digest(data)
 
     def one(kind: str, src: int) -> float:
         comm.Barrier()
@@ -145,7 +186,9 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
                 into = np.empty(total, dtype=np.uint8) if kind == "send_fresh" else used
                 comm.Recv([into, MPI.BYTE], source=src, tag=9)
         else:
-            wire.digest = (lambda data: 0) if kind == "nohash" else real_digest
+            sending = comm.rank == src
+            hashing = {"nohash": False, "sender_hashes": sending, "receiver_hashes": not sending}
+            wire.digest = real_digest if hashing.get(kind, True) else chunks_unhashed
             memory = POOL.fresh() if kind == "fresh" else contextlib.nullcontext()
             try:
                 if comm.rank == src:
@@ -154,8 +197,8 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
                     incoming = wire.Incoming(src, 0)
                     with memory:
                         wire.exchange(comm, [], [incoming])
-                    if incoming.error:
-                        raise RuntimeError(incoming.error)
+                    if incoming.error and kind not in ("sender_hashes", "receiver_hashes"):
+                        raise RuntimeError(incoming.error)  # one side unhashed: mismatches
             finally:
                 wire.digest = real_digest
         return float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
@@ -178,17 +221,20 @@ def rank_main(reps: int) -> None:
             f"\n{'d_model':>8}{'MB':>8}{'Send ms':>9}{'exchange ms':>13}{'hashing off ms':>16}",
             end="",
         )
+        print(f"{'sender hashes':>15}{'receiver hashes':>17}", end="")
         print(f"{'Send fresh ms':>15}{'exchange fresh ms':>19}")
         for d_model, r in rows.items():
             print(
                 f"{d_model:>8}{r['mb']:>8.1f}{r['send']:>9.2f}{r['exchange']:>13.2f}"
-                f"{r['nohash']:>16.2f}{r['send_fresh']:>15.2f}{r['fresh']:>19.2f}"
+                f"{r['nohash']:>16.2f}{r['sender_hashes']:>15.2f}{r['receiver_hashes']:>17.2f}"
+                f"{r['send_fresh']:>15.2f}{r['fresh']:>19.2f}"
             )
         print(
             f"(medians of {reps} each, interleaved, directions alternating. Send, exchange and "
             "hashing off receive into memory used before (the exchange into memory recycled "
-            "from a layer the rank gave away, as a migration does then); the fresh columns "
-            "into fresh memory)"
+            "from a layer the rank gave away, as a migration does then); 'sender hashes' and "
+            "'receiver hashes' hash the chunks on that side only; the fresh columns into fresh "
+            "memory)"
         )
 
 
@@ -201,6 +247,7 @@ def main() -> None:
         rank_main(args.reps)
         return
     python_parts()
+    hash_speeds()
     from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
 
     argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
