@@ -12,14 +12,18 @@ hashed. Here they overlap:
   posted (:meth:`_Exchange._post_receives`): one chunk from a rank on its node, several from
   another node. Shared-memory MPI copies a waiting chunk inside the receiver's own MPI calls,
   and a second receive posted early copies the next chunk over the one still to be hashed.
-- The receiver hashes each chunk in its main thread as soon as it lands, still in its core's
-  cache. The sender hashes each chunk in step with the receiver's copy
-  (:meth:`_Exchange._hash_ahead`): chunk ``k`` once the receiver has taken chunk ``k - 1``, so
-  that both read the chunk's memory at the same time and it comes from memory once, not once
-  for the copy and again for the hash. The sender starts after the meta is out (the meta is on
-  the receiver's critical path). The digests follow the data as a small trailer. XXH3
-  (``xxhash``: 57 GB/s in cache, 22 GB/s from memory on the project's VM; the hardware CRC32C
-  and CRC-32 libraries on PyPI measured no faster).
+- The receiver hashes each chunk in its main thread as soon as it lands. (Measured since, see
+  the README: a chunk Open MPI copied in through CMA is largely out of the receiver's caches by
+  then, and hashing it ran at 19-24 GB/s where XXH3 reaches 38 GB/s in cache; this hash is the
+  largest cost a migration adds to a bare ``Send`` on the project's VM.) The sender hashes each
+  chunk in step with the receiver's copy (:meth:`_Exchange._hash_ahead`): chunk ``k`` once the
+  receiver has taken chunk ``k - 1``, so that both read the chunk's memory at the same time and
+  it comes from memory once, not once for the copy and again for the hash. The sender starts
+  after the meta is out (the meta is on the receiver's critical path); its hashing costs no
+  time (``benchmarks/profile_migration.py``: the exchange with only the sender hashing is as
+  fast as with no hashing). The digests follow the data as a small trailer. XXH3
+  (``xxhash``: 38-57 GB/s in cache, 10-22 GB/s from memory on the project's VMs; the hardware
+  CRC32C and CRC-32 libraries on PyPI measured no faster).
 - Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory (a
   layer's storages live in one huge-page arena, see :mod:`.host_memory`); the receiver receives
   into one arena per transfer, recycled from a layer it gave away when it can, whose slices
@@ -71,11 +75,12 @@ from dynmo_hpc.pipeline.host_memory import POOL, aligned_offsets
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
-"""Chunk size: small enough that a chunk is still in cache (a core's L2 here) when it is hashed
-right after it lands, large enough that the per-message cost (tens of microseconds) is small
-beside its transfer. Chosen by timing 512 KiB to 4 MiB chunks against each other in scratch
-scripts while developing (not kept): 1 MiB was fastest for both 37.8 and 151 MB layers; the
-kept measurement is ``benchmarks/bench_migration.py``."""
+"""Chunk size: large enough that the per-message cost (tens of microseconds) is small beside
+its transfer, small enough that hashing a chunk starts soon after it lands (chosen when the
+chunk was expected to stay in cache; a CMA copy largely leaves it out, see the module
+docstring). Timed 512 KiB to 4 MiB chunks against each other in scratch scripts (not kept):
+1 MiB was fastest for both 37.8 and 151 MB layers, in two sessions; the kept measurement is
+``benchmarks/bench_migration.py``."""
 
 RECV_WINDOW_LOCAL = 1
 """Chunk receives in flight per transfer from a rank on the same node (see
@@ -322,7 +327,7 @@ class _Exchange:
         itself. Posting them all copied the whole layer before any chunk could be hashed, and
         the hash pass then ran over memory long out of cache (measured, 151 MB: 17 ms of copy,
         then 5-6 ms of hashing). From a sender on the same node the window is one chunk: copy
-        it, hash it while it is still in this core's cache, then post the next. A second
+        it, hash it, then post the next. A second
         receive posted before the hash copies another chunk over the first one in the cache
         (timed against each other in scratch scripts while developing, not kept: one in
         flight was clearly faster than two for 37.8 and 151 MB layers). From
