@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL_BYTES = 64 << 10
-"""Below this a buffer is a header or meta (always hashed, or the exchange refuses it)."""
 sys.path.insert(0, str(ROOT))
 D_MODELS = (512, 1024)
 WARMUP_ROUNDS = 4
+SMALL_BYTES = 64 << 10
+"""Below this a buffer is a header or meta (always hashed, or the exchange refuses it)."""
 
 
 def _stage(d_model: int) -> Any:
@@ -148,7 +148,8 @@ def hash_speeds(chunk_bytes: int = 1 << 20, total_bytes: int = 256 << 20) -> Non
 
 def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     """Median ms of a bare Send (into used and into fresh memory), an exchange (into recycled
-    and into fresh memory) and an exchange with hashing off (slowest rank)."""
+    and into fresh memory), and exchanges with hashing off and with only one side hashing
+    (slowest rank)."""
     import contextlib
 
     import numpy as np

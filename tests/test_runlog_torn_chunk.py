@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -50,9 +51,33 @@ def _first_chunk(path: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Snapshots:
+    """The file after flush 1 and after flush 2 (both fill chunk 0 only), written once."""
+
+    before: bytes
+    after: bytes
+    before_path: Path
+    after_path: Path
+    chunks: dict[str, tuple[int, int]]
+    """:func:`_first_chunk` of ``before_path``."""
+
+    def torn(self, name: str, cut: int) -> bytes:
+        """``before`` with dataset ``name``'s first chunk rewritten from ``after`` up to ``cut``."""
+        offset, _ = self.chunks[name]
+        out = bytearray(self.before)
+        out[offset:cut] = self.after[offset:cut]
+        return bytes(out)
+
+    def cuts(self, name: str) -> list[int]:
+        """Page boundaries inside the chunk: where a killed write of it can stop."""
+        offset, size = self.chunks[name]
+        first = (offset // PAGE_BYTES + 1) * PAGE_BYTES
+        return list(range(first, offset + size, PAGE_BYTES))
+
+
 @pytest.fixture(scope="module")
-def snapshots(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, bytes, Path]:
-    """(file after flush 1, file after flush 2, a directory): both flushes fill chunk 0 only."""
+def snapshots(tmp_path_factory: pytest.TempPathFactory) -> Snapshots:
     tmp = tmp_path_factory.mktemp("torn")
     path = tmp / "run.h5"
     w = RunLogWriter(path, config_yaml="job:\n  name: torn\n", meta={"launcher": "test"})
@@ -63,49 +88,33 @@ def snapshots(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, bytes, P
     w.flush()
     after = path.read_bytes()
     w.close()
-    return before, after, tmp
-
-
-def _torn(before: bytes, after: bytes, offset: int, cut: int) -> bytes:
-    out = bytearray(before)
-    out[offset:cut] = after[offset:cut]
-    return bytes(out)
-
-
-def _page_cuts(offset: int, size: int) -> list[int]:
-    """Page boundaries inside the chunk: where a killed write of it can stop."""
-    first = (offset // PAGE_BYTES + 1) * PAGE_BYTES
-    return list(range(first, offset + size, PAGE_BYTES))
-
-
-def test_the_snapshots_rewrite_chunks_in_place(snapshots: tuple[bytes, bytes, Path]) -> None:
-    """The premise: the second flush rewrote the first chunks where they were, with new bytes."""
-    before, after, tmp = snapshots
     (tmp / "before.h5").write_bytes(before)
     (tmp / "after.h5").write_bytes(after)
-    chunks_before, chunks_after = _first_chunk(tmp / "before.h5"), _first_chunk(tmp / "after.h5")
+    return Snapshots(
+        before, after, tmp / "before.h5", tmp / "after.h5", _first_chunk(tmp / "before.h5")
+    )
+
+
+def test_the_snapshots_rewrite_chunks_in_place(snapshots: Snapshots) -> None:
+    """The premise: the second flush rewrote the first chunks where they were, with new bytes."""
+    chunks_before, chunks_after = snapshots.chunks, _first_chunk(snapshots.after_path)
     rewritten = [name for name in chunks_before if chunks_before[name] == chunks_after[name]]
     assert {schema.STEPS.name, schema.EVENTS.name, schema.EVENT_DETAIL} <= set(rewritten)
     for name in rewritten:
         offset, size = chunks_before[name]
-        assert before[offset : offset + size] != after[offset : offset + size], name
+        chunk = slice(offset, offset + size)
+        assert snapshots.before[chunk] != snapshots.after[chunk], name
 
 
-def test_a_torn_chunk_loads_the_rows_of_the_last_complete_flush(
-    snapshots: tuple[bytes, bytes, Path],
-) -> None:
-    before, after, tmp = snapshots
-    (tmp / "before.h5").write_bytes(before)
-    want = load(tmp / "before.h5")
+def test_a_torn_chunk_loads_the_rows_of_the_last_complete_flush(snapshots: Snapshots) -> None:
+    want = load(snapshots.before_path)
     assert len(want.steps) == 10 and len(want.events) == 10
-    chunks = _first_chunk(tmp / "before.h5")
     tried = 0
     for name in (schema.STEPS.name, schema.STAGE_TIMES.name, schema.EVENTS.name):
-        offset, size = chunks[name]
-        cuts = _page_cuts(offset, size)
+        cuts = snapshots.cuts(name)
         for cut in sorted({cuts[0], cuts[len(cuts) // 2], cuts[-1]}):
-            path = tmp / f"torn_{name}_{cut}.h5"
-            path.write_bytes(_torn(before, after, offset, cut))
+            path = snapshots.before_path.with_name(f"torn_{name}_{cut}.h5")
+            path.write_bytes(snapshots.torn(name, cut))
             with h5py.File(path, "r", swmr=True) as f, pytest.raises(OSError, match="filter"):
                 f[name][()]  # HDF5 alone refuses the table
             got = load(path)
@@ -116,13 +125,11 @@ def test_a_torn_chunk_loads_the_rows_of_the_last_complete_flush(
 
 
 def test_a_torn_event_detail_chunk_loads_and_a_requeued_job_resumes_from_it(
-    snapshots: tuple[bytes, bytes, Path],
+    snapshots: Snapshots,
 ) -> None:
-    before, after, tmp = snapshots
-    (tmp / "before.h5").write_bytes(before)
-    offset, size = _first_chunk(tmp / "before.h5")[schema.EVENT_DETAIL]
-    path = tmp / "torn_detail.h5"
-    path.write_bytes(_torn(before, after, offset, _page_cuts(offset, size)[0]))
+    name = schema.EVENT_DETAIL
+    path = snapshots.before_path.with_name("torn_detail.h5")
+    path.write_bytes(snapshots.torn(name, snapshots.cuts(name)[0]))
     got = load(path)
     assert [e["step"] for e in got.events["detail"]] == list(range(10))
     with RunLogWriter(path, config_yaml="job:\n  name: torn\n", meta={}, resume=True) as w:
@@ -135,22 +142,19 @@ def test_a_torn_event_detail_chunk_loads_and_a_requeued_job_resumes_from_it(
 
 
 @pytest.mark.parametrize("where", ["counted row", "checksum"])
-def test_damage_in_a_torn_chunk_is_still_refused(
-    snapshots: tuple[bytes, bytes, Path], where: str
-) -> None:
+def test_damage_in_a_torn_chunk_is_still_refused(snapshots: Snapshots, where: str) -> None:
     """Only a tear is forgiven: a bit flipped in a row the file counts, or in the stored
     checksum, fails as HDF5 would have failed it."""
-    before, after, tmp = snapshots
-    (tmp / "before.h5").write_bytes(before)
-    offset, size = _first_chunk(tmp / "before.h5")[schema.STEPS.name]
-    torn = bytearray(_torn(before, after, offset, _page_cuts(offset, size)[0]))
+    name = schema.STEPS.name
+    offset, size = snapshots.chunks[name]
+    torn = bytearray(snapshots.torn(name, snapshots.cuts(name)[0]))
     position = (
         offset + 3 * schema.STEPS.dtype.itemsize + 9
         if where == "counted row"
         else (offset + size - 2)
     )
     torn[position] ^= 0x10
-    path = tmp / f"torn_damaged_{where.replace(' ', '_')}.h5"
+    path = snapshots.before_path.with_name(f"torn_damaged_{where.replace(' ', '_')}.h5")
     path.write_bytes(bytes(torn))
     with pytest.raises(RunLogError, match="Fletcher-32"):
         load(path)

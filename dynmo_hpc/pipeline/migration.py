@@ -18,9 +18,10 @@ nothing is copied or re-initialised (unpickling a module does not run its ``__in
 optimizer arrives as an object whose state is keyed by the module's own parameters, ready to
 step). Tensors are reduced by hand (:class:`_StoragePickler`), cheaper than torch's own
 reduction (``benchmarks/profile_migration.py`` times the pickling and the rebuild). It is not
-yet at wire speed: between two local ranks on 2 cores it reaches 0.49-0.66 of a bare ``Send``
-for 38-151 MB layers, because the receiver hashes and rebuilds on the core whose MPI calls make
-the copy (README, "Migration").
+yet at wire speed: between two local ranks on 2 cores it reached 0.49-0.72 of a bare ``Send``
+for 38-151 MB layers (two VMs), mostly because the receiver hashes what MPI copied in, largely
+out of its caches by then, and rebuilds, on the core whose MPI calls make the copy (README,
+"Migration").
 
 Devices: storages may live on a GPU. They are staged through (pinned) host buffers, one copy
 each way, because migration runs over MPI; the receiver builds its storages on *its* device, so

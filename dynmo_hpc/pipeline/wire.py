@@ -327,10 +327,9 @@ class _Exchange:
         itself. Posting them all copied the whole layer before any chunk could be hashed, and
         the hash pass then ran over memory long out of cache (measured, 151 MB: 17 ms of copy,
         then 5-6 ms of hashing). From a sender on the same node the window is one chunk: copy
-        it, hash it, then post the next. A second
-        receive posted before the hash copies another chunk over the first one in the cache
-        (timed against each other in scratch scripts while developing, not kept: one in
-        flight was clearly faster than two for 37.8 and 151 MB layers). From
+        it, hash it, then post the next. A second receive posted before the hash copies another
+        chunk over the first one (timed against each other in scratch scripts while developing,
+        not kept: one in flight was clearly faster than two for 37.8 and 151 MB layers). From
         another node the network moves the data while this rank hashes, so several chunks
         stay in flight (:data:`RECV_WINDOW_REMOTE` x ``chunk_bytes``, far more than a link's
         bandwidth-delay product).

@@ -28,7 +28,7 @@ import yaml
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
 from dynmo_hpc.runlog import precheck, schema
-from dynmo_hpc.runlog.torn_chunk import read_rows
+from dynmo_hpc.runlog.torn_chunk import is_checksum_failure, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
             events = _events(f, path)
         except (OSError, KeyError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if "filter returned failure" in reason:  # the only filter is Fletcher-32
+            if is_checksum_failure(exc):  # the only filter is Fletcher-32
                 reason = "a table's data fail their Fletcher-32 checksum: corrupt bytes"
             raise RunLogError(f"{path}: HDF5 cannot read it ({reason}); {DAMAGED_HINT}") from None
     superseded = {}
