@@ -8,8 +8,8 @@ Transport: on CPU, mpi4py buffer calls on torch tensors (DLPack, no pickling). O
 through ``torch.distributed`` when available (bootstrapped from MPI), else host staging over MPI.
 
 Waiting: an MPI rank blocked in ``Recv`` may busy-poll and steal a core from a rank that is
-computing (measured 2x slowdowns with 4 ranks on 2 cores), so every wait here is a ``Test`` loop
-with a short, growing sleep. The time spent waiting is the stage's idle time.
+computing when there are fewer cores than ranks, so every wait here is a ``Test`` loop with a
+short, growing sleep (:class:`Backoff`). The time spent waiting is the stage's idle time.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ class Backoff:
 
     For the first ``yield_s`` of a wait it calls ``sched_yield``: the core goes to any thread
     that is ready to run, and the wait notices its event within microseconds. After that it
-    sleeps, 20 us growing to ``max_sleep_s``. Why both: a sleep ends late (on the project's VM,
-    in a scratch test while developing, a receiver polling with sleeps noticed a message several
-    times later than one polling with ``sched_yield``), which is what a migration's short waits
-    cannot afford; but a long wait must not hold a core that a computing rank could use. The
+    sleeps, 20 us growing to ``max_sleep_s``. Why both: a sleep ends late (the kernel wakes the
+    thread after its deadline, so a rank polling with sleeps notices a message later than one
+    polling with ``sched_yield``), which is what a migration's short waits cannot afford; but a
+    long wait must not hold a core that a computing rank could use. The
     pipeline's waits use ``yield_s=0``: their late wake-up is what the simulator models.
     """
 
@@ -363,7 +363,7 @@ class TorchDistLink(StageLink):
 
     def _wait(self, requests: Sequence[Any]) -> float:
         """``wait()`` on each request. Gloo's requests never report completion until waited on
-        (measured: ``is_completed()`` stays False), and gloo blocks in the kernel, not in a spin;
+        (``is_completed()`` stays False until then), and gloo blocks in the kernel, not in a spin;
         NCCL's ``wait()`` only orders the current CUDA stream after the transfer."""
         t0 = time.perf_counter()
         for request in requests:

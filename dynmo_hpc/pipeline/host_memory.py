@@ -1,17 +1,17 @@
 """Huge-page host memory for layer storages, and a pool that recycles it between migrations.
 
-Why migration needs its own host memory (found with scratch timings while developing; the kept
-measurements are ``benchmarks/bench_migration.py`` and ``benchmarks/profile_migration.py``,
-whose figures are in the README, "Migration"):
+Why migration needs its own host memory (``benchmarks/bench_migration.py`` and
+``benchmarks/profile_migration.py`` measure both effects; figures in docs/benchmarks.md,
+"Migration"):
 
 - **Huge pages on the sending side.** Local MPI moves a large message with one copy that the
   receiver makes out of the sender's memory. Out of memory torch allocated itself (4 KiB pages:
-  torch does not ask for transparent huge pages) that copy ran at little more than half the rate
-  out of a numpy allocation (which asks for huge pages from 4 MiB): a layer's storages are copied
-  into one huge-page *arena* per layer once (:func:`rehome`), after its optimizer has state, and
+  torch does not ask for transparent huge pages) that copy is much slower than out of a numpy
+  allocation (which asks for huge pages from 4 MiB): a layer's storages are copied into one
+  huge-page *arena* per layer once (:func:`rehome`), after its optimizer has state, and
   a layer that arrives by migration lands in one.
 - **Recycled memory on the receiving side.** Receiving into fresh memory pays the kernel's page
-  faults and zeroing (``profile_migration.py`` shows the exchange into fresh and into recycled
+  faults and zeroing (``profile_migration.py`` times the exchange into fresh and into recycled
   memory side by side). When a layer leaves a rank its arena returns to this process's
   :class:`ArenaPool` (once no tensor uses it any more), and the next layer to arrive is received
   into it. A rebalance that moves a layer back and forth between two neighbours (the common
@@ -173,7 +173,7 @@ def layer_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     One pass over the submodules' own tables, not ``parameters()`` and ``buffers()`` plus a
     scan of every attribute: on a migration's critical path (the receiver waits for the header
-    this walk precedes), and the full scan took about 0.18 ms for a transformer block here."""
+    this walk precedes), and the full scan costs several times as much."""
     found: list[torch.Tensor] = []
     for sub in module.modules():
         attrs = vars(sub)

@@ -10,18 +10,14 @@ After every migration each rank checks its invariants: it owns exactly its new c
 in order, and the owned layer counts add up to the model.
 
 Why it is fast: the layer's object graph is pickled with every large tensor storage kept *out
-of band*, so the pickle is small (4 KB of graph plus the small storages inline: 85 KB for a
-512-wide block) and the tensor bytes are sent straight from the tensors' memory (no
-serialisation, no copy). The receiver receives into one host arena per layer
-(:mod:`.host_memory`), and the unpickled module and optimizer are built *on those buffers*:
-nothing is copied or re-initialised (unpickling a module does not run its ``__init__``; the
-optimizer arrives as an object whose state is keyed by the module's own parameters, ready to
-step). Tensors are reduced by hand (:class:`_StoragePickler`), cheaper than torch's own
-reduction (``benchmarks/profile_migration.py`` times the pickling and the rebuild). It is not
-yet at wire speed: between two local ranks on 2 cores it reached 0.49-0.72 of a bare ``Send``
-for 38-151 MB layers (two VMs), mostly because the receiver hashes what MPI copied in, largely
-out of its caches by then, and rebuilds, on the core whose MPI calls make the copy (README,
-"Migration").
+of band*, so the pickle holds only the graph and the small storages, and the tensor bytes are
+sent straight from the tensors' memory (no serialisation, no copy). The receiver receives into
+one host arena per layer (:mod:`.host_memory`), and the unpickled module and optimizer are
+built *on those buffers*: nothing is copied or re-initialised (unpickling a module does not run
+its ``__init__``; the optimizer arrives as an object whose state is keyed by the module's own
+parameters, ready to step). Tensors are reduced by hand (:class:`_StoragePickler`), which is
+cheaper than torch's own reduction. How close this comes to a bare ``Send`` of the same bytes,
+and where the rest of the time goes: docs/benchmarks.md ("Migration").
 
 Devices: storages may live on a GPU. They are staged through (pinned) host buffers, one copy
 each way, because migration runs over MPI; the receiver builds its storages on *its* device, so
@@ -101,7 +97,7 @@ class PackedLayer:
 
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[bool, int]:
-    # Not str(storage.device): building the device name took a third of pack_layer's walk.
+    # Not str(storage.device): building the device name is costly in the walk of every tensor.
     return (storage.is_cuda, storage.data_ptr())
 
 

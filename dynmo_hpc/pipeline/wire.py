@@ -1,29 +1,25 @@
 """Checksummed bulk transfer between ranks: many byte buffers, all in flight at once, verified.
 
-Why a module of its own: migration is only as fast as this loop. Profiling the first migration
-code of a 151 MB layer (weights plus both AdamW moments) showed three phases one after the
-other: the sender checksummed every tensor (zlib CRC-32), then the bytes moved, then the
-receiver checksummed them again, and the receiver sat idle in a probe loop while the sender
-hashed. Here they overlap:
+What: :func:`exchange` sends a set of byte buffers (a layer's storages) to each peer and
+receives each peer's, in chunks, with an XXH3 digest per chunk checked on arrival. A mismatch
+is reported, not raised, so that every peer drains and the caller can decide collectively.
 
-- Buffers go out in chunks (``chunk_bytes``, 1 MiB), each its own ``Isend``/``Irecv``. A sender
+Why a module of its own: a migration is only as fast as this loop, and done naively its phases
+run one after the other (the sender hashes everything, the bytes move, the receiver hashes them
+again while the sender waits). Here they overlap:
+
+- Buffers go out in chunks (:data:`CHUNK_BYTES`), each its own ``Isend``/``Irecv``. A sender
   posts all its sends at once, so all moves of a rebalance are in flight together, each pair of
   ranks on its own point-to-point link. A receiver keeps a small window of chunk receives
   posted (:meth:`_Exchange._post_receives`): one chunk from a rank on its node, several from
-  another node. Shared-memory MPI copies a waiting chunk inside the receiver's own MPI calls,
-  and a second receive posted early copies the next chunk over the one still to be hashed.
-- The receiver hashes each chunk in its main thread as soon as it lands. (Measured since, see
-  the README: a chunk Open MPI copied in through CMA is largely out of the receiver's caches by
-  then, and hashing it ran at 19-24 GB/s where XXH3 reaches 38 GB/s in cache; this hash is the
-  largest cost a migration adds to a bare ``Send`` on the project's VM.) The sender hashes each
-  chunk in step with the receiver's copy (:meth:`_Exchange._hash_ahead`): chunk ``k`` once the
-  receiver has taken chunk ``k - 1``, so that both read the chunk's memory at the same time and
-  it comes from memory once, not once for the copy and again for the hash. The sender starts
-  after the meta is out (the meta is on the receiver's critical path); its hashing costs no
-  time (``benchmarks/profile_migration.py``: the exchange with only the sender hashing is as
-  fast as with no hashing). The digests follow the data as a small trailer. XXH3
-  (``xxhash``: 38-57 GB/s in cache, 10-22 GB/s from memory on the project's VMs; the hardware
-  CRC32C and CRC-32 libraries on PyPI measured no faster).
+  another node, because shared-memory MPI copies a waiting chunk inside the receiver's own MPI
+  calls.
+- The receiver hashes each chunk in its main thread as soon as it lands. The sender hashes each
+  chunk in step with the receiver's copy of it (:meth:`_Exchange._hash_ahead`), so that both
+  read the chunk's memory at the same time and it crosses from memory to the caches once. The
+  sender starts after the meta is out (the meta is on the receiver's critical path). The
+  digests follow the data as a small trailer. On a single node the receiver's hash is the
+  largest cost a migration adds to a bare ``Send``: see docs/benchmarks.md ("Migration").
 - Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory (a
   layer's storages live in one huge-page arena, see :mod:`.host_memory`); the receiver receives
   into one arena per transfer, recycled from a layer it gave away when it can, whose slices
@@ -35,25 +31,16 @@ hashed. Here they overlap:
 - The collective that agrees on the outcome is posted as soon as this rank's part is known
   (``on_received``), while its sends still drain.
 
-Measured in the README ("Migration", with the commands). Also tried and measured no faster:
-receiving and hashing in a worker thread while the main thread rebuilds the layer; rebuilding
-in a worker thread (also with a 20-100 us GIL switch interval); hashing received chunks in a
-worker thread (also with the sender hashing in step); receiving several chunks per call of the
-loop; 512 KiB to 4 MiB chunks; Open MPI's shared-memory transport told to put rather than get
-(``OMPI_MCA_btl_sm_flags=send,put,inplace``: no measurable difference; an ``Irecv`` of a
-waiting 36 MiB message returns with the copy done whichever of put and get the flags allow, so
-the receiver's core copies in every case) or to copy in and out without single copy
-(``OMPI_MCA_smsc=^cma``: slower); the sender copying each chunk into an MPI shared-memory
-window (``Win.Allocate_shared``) while the receiver hashes the previous one (no faster than
-chunked sends); and (earlier) hashing each chunk on the sender before sending it or after its
-send completes.
-
 Message layout per transfer (MPI keeps messages with one tag in order): on ``tag``, a header
 ``[buffer count, buffer sizes..., the sender's node, its digest]`` then the meta (pickled
 object graph, made while the buffers travel) with its digest appended; on ``tag + 1``, every
 chunk of every buffer in order, then the chunk digests. The receiver verifies the meta on
 arrival and may rebuild its objects over the buffers before they are full; the buffers are
 verified when the digests come.
+
+Invariants: when :func:`exchange` returns, every send and receive it posted has completed,
+whatever the digests said (no peer is left blocked), and every incoming transfer's trailer has
+been compared, so ``Incoming.error`` is final; a transfer's chunks travel in order on one tag.
 """
 
 from __future__ import annotations
@@ -75,12 +62,9 @@ from dynmo_hpc.pipeline.host_memory import POOL, aligned_offsets
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
-"""Chunk size: large enough that the per-message cost (tens of microseconds) is small beside
-its transfer, small enough that hashing a chunk starts soon after it lands (chosen when the
-chunk was expected to stay in cache; a CMA copy largely leaves it out, see the module
-docstring). Timed 512 KiB to 4 MiB chunks against each other in scratch scripts (not kept):
-1 MiB was fastest for both 37.8 and 151 MB layers, in two sessions; the kept measurement is
-``benchmarks/bench_migration.py``."""
+"""Chunk size: large enough that the per-message cost is small beside its transfer, small
+enough that hashing a chunk starts soon after it lands and a window of chunks stays small.
+Chosen by timing (``benchmarks/bench_migration.py``; docs/benchmarks.md, "Migration")."""
 
 RECV_WINDOW_LOCAL = 1
 """Chunk receives in flight per transfer from a rank on the same node (see
@@ -271,10 +255,6 @@ class _Exchange:
         Chunk ``k`` is hashed once the send of chunk ``k - 1`` is complete, that is while the
         receiver copies chunk ``k`` (or just before): the receiver's copy and this hash then
         read the same memory at the same time, and it crosses from memory to the caches once.
-        Hashing the whole layer in a worker thread while the receiver pulled read every byte
-        twice and took longer (scratch A/B timings while developing, not kept: 2 local ranks,
-        recycled memory, medians of 7 interleaved runs: 37.7 MB 7.3 ms (6.9-7.8) in a worker
-        thread, 6.7 ms (5.5-7.2) in step; 151 MB 24.9 ms (23.0-34.4) and 24.0 ms (22.4-26.9)).
         It runs after the meta is sent: the meta is on the receiver's critical path."""
         views = item._views
         hashed = False
@@ -324,12 +304,10 @@ class _Exchange:
 
         Why a window, not every receive at once: when the data is already waiting (the sender
         posts all its sends first), shared-memory MPI copies a chunk inside the ``Irecv`` call
-        itself. Posting them all copied the whole layer before any chunk could be hashed, and
-        the hash pass then ran over memory long out of cache (measured, 151 MB: 17 ms of copy,
-        then 5-6 ms of hashing). From a sender on the same node the window is one chunk: copy
-        it, hash it, then post the next. A second receive posted before the hash copies another
-        chunk over the first one (timed against each other in scratch scripts while developing,
-        not kept: one in flight was clearly faster than two for 37.8 and 151 MB layers). From
+        itself. Posting them all would copy the whole layer before any chunk could be hashed,
+        and the hash pass would then run over memory long out of cache. From a sender on the
+        same node the window is one chunk: copy it, hash it, then post the next (a second
+        receive posted before the hash would copy another chunk over the first one). From
         another node the network moves the data while this rank hashes, so several chunks
         stay in flight (:data:`RECV_WINDOW_REMOTE` x ``chunk_bytes``, far more than a link's
         bandwidth-delay product).
@@ -360,8 +338,8 @@ class _Exchange:
             return True
         item.meta = framed[:-8].tobytes()
         if item.on_meta is not None:
-            # In the main thread: in a worker it measured no faster (the unpickling holds the
-            # GIL the main thread needs between its MPI calls), and here it stays simple.
+            # In the main thread: the unpickling holds the GIL that the main thread needs
+            # between its MPI calls, so a worker thread would gain nothing.
             try:
                 item.on_meta(item)
             except Exception as exc:  # reported collectively by the caller, after draining
@@ -440,7 +418,7 @@ class _Exchange:
             # Yield (not sleep) only where a late wake-up delays the migration: while receiving
             # (this rank copies), and at the end when only the agreement is left. A sender
             # whose sends are still being copied sleeps, leaving the cores to the copy and the
-            # hashing (yielding there measured no faster).
+            # hashing.
             progress.round(progressed, urgent=receiving or not self.send_requests)
 
 
