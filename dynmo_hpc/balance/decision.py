@@ -105,15 +105,15 @@ class Decision:
         }
 
 
-def _bytes_of_layers(bytes_per_layer: float | CostsLike, num_layers: int) -> list[float]:
-    if isinstance(bytes_per_layer, int | float):
-        if not math.isfinite(bytes_per_layer) or bytes_per_layer < 0:
-            raise ValueError(f"bytes_per_layer={bytes_per_layer!r} must be finite and >= 0")
-        return [float(bytes_per_layer)] * num_layers
-    values = check_values(bytes_per_layer, "bytes_per_layer")
+def _bytes_of_layers(layer_bytes: float | CostsLike, num_layers: int) -> list[float]:
+    if isinstance(layer_bytes, int | float):
+        if not math.isfinite(layer_bytes) or layer_bytes < 0:
+            raise ValueError(f"layer_bytes={layer_bytes!r} must be finite and >= 0")
+        return [float(layer_bytes)] * num_layers
+    values = check_values(layer_bytes, "layer_bytes")
     if len(values) != num_layers:
         raise ValueError(
-            f"bytes_per_layer has {len(values)} entries but costs has {num_layers}; "
+            f"layer_bytes has {len(values)} entries but costs has {num_layers}; "
             "pass one per layer or a single number"
         )
     return values
@@ -137,7 +137,7 @@ def should_rebalance(
     costs: CostsLike,
     old_parts: Sequence[int],
     new_parts: Sequence[int],
-    bytes_per_layer: float | CostsLike,
+    layer_bytes: float | CostsLike,
     bandwidth_bytes_per_s: float,
     steps_until_next_check: int,
     margin: float = 0.1,
@@ -148,7 +148,7 @@ def should_rebalance(
         costs: measured seconds per layer per step.
         old_parts, new_parts: the partition in use and the candidate (same layers; the stage
             count may differ, e.g. after packing).
-        bytes_per_layer: bytes that travel with a layer (weights + gradients + optimizer
+        layer_bytes: bytes that travel with a layer (weights + gradients + optimizer
             state), one number for all layers or one per layer.
         bandwidth_bytes_per_s: measured rate of one transfer between two ranks.
         steps_until_next_check: training steps over which the gain accrues.
@@ -169,13 +169,13 @@ def should_rebalance(
         raise ValueError(f"steps_until_next_check={steps_until_next_check!r} must be an int >= 0")
     if not (math.isfinite(margin) and margin >= 0):
         raise ValueError(f"margin={margin!r} must be a finite fraction >= 0 (0.1 means 10 %)")
-    layer_bytes = _bytes_of_layers(bytes_per_layer, num_layers)
+    per_layer = _bytes_of_layers(layer_bytes, num_layers)
 
     prefix = prefix_sums(values)
     old_s = max(loads_from_prefix(prefix, old))
     new_s = max(loads_from_prefix(prefix, new))
     moves = plan_moves(old, new)
-    busiest = max(rank_bytes(moves, layer_bytes, max(len(old), len(new)) - 1))
+    busiest = max(rank_bytes(moves, per_layer, max(len(old), len(new)) - 1))
     gain_s = (old_s - new_s) * steps_until_next_check
     migration_s = busiest / bandwidth_bytes_per_s
     needed_s = (1.0 + margin) * migration_s
@@ -207,7 +207,7 @@ def should_rebalance(
         old_bottleneck_s=old_s,
         new_bottleneck_s=new_s,
         num_moves=len(moves),
-        bytes_moved=sum(layer_bytes[m.layer] for m in moves),
+        bytes_moved=sum(per_layer[m.layer] for m in moves),
         busiest_rank_bytes=busiest,
         judged_migration_s=migration_s,
     )
@@ -216,7 +216,7 @@ def should_rebalance(
 def should_follow(
     costs: CostsLike,
     path: Sequence[Sequence[int]],
-    bytes_per_layer: float | CostsLike,
+    layer_bytes: float | CostsLike,
     bandwidth_bytes_per_s: float,
     steps_per_hop: Sequence[int],
     margin: float = 0.1,
@@ -249,7 +249,7 @@ def should_follow(
         costs,
         path[0],
         path[min(1, hops)],
-        bytes_per_layer,
+        layer_bytes,
         bandwidth_bytes_per_s,
         steps_per_hop[0] if hops else 0,
         margin,
@@ -261,7 +261,7 @@ def should_follow(
     prefixes = [(gain_s, migration_s)]
     for j in range(1, hops):
         hop = should_rebalance(
-            costs, path[j], path[j + 1], bytes_per_layer, bandwidth_bytes_per_s, 0, margin
+            costs, path[j], path[j + 1], layer_bytes, bandwidth_bytes_per_s, 0, margin
         )
         gain_s += (old_s - hop.new_bottleneck_s) * steps_per_hop[j]
         migration_s += hop.predicted_migration_s

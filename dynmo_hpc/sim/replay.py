@@ -166,7 +166,7 @@ class ReplaySetup:
     def balance(self, policy: str) -> BalanceSection:
         """The ``balance`` section a run with ``policy`` would have had."""
         return BalanceSection(
-            algorithm=policy,  # type: ignore[arg-type]  # checked against POLICIES by replay
+            algorithm=policy,
             interval=self.interval,
             margin=self.margin,
             smoothing=self.smoothing,
@@ -330,9 +330,8 @@ def replay(
         if policy not in STATIC_POLICIES and len(step_times_s) < num_steps:
             decision = decide(
                 balance,
+                report,
                 costs_s=smoothed,
-                num_params=report.num_params,
-                layer_bytes=report.layer_bytes,
                 parts=parts,
                 bandwidth_bytes_per_s=setup.bandwidth_bytes_per_s,
                 report_index=report_index,
