@@ -139,18 +139,14 @@ def _diffusion_path(costs_s: Sequence[float], state: BalanceState) -> Proposal:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "uniform": Algorithm(
-        function=uniform, label="static uniform (Megatron-LM)", rebalances=False
-    ),
+    "uniform": Algorithm(function=uniform, label="static uniform (Megatron-LM)", rebalances=False),
     "parameters": Algorithm(
         function=parameters,
         label="static by parameters (DeepSpeed)",
         rebalances=False,
         trainer_options=_parameters_options,
     ),
-    "optimal": Algorithm(
-        function=optimal, label="DynMo optimal", trainer_options=_optimal_options
-    ),
+    "optimal": Algorithm(function=optimal, label="DynMo optimal", trainer_options=_optimal_options),
     "diffusion": Algorithm(
         function=diffusion, label="DynMo diffusion", propose_path=_diffusion_path
     ),

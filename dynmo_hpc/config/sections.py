@@ -326,12 +326,13 @@ class CheckpointSection:
 @dataclass(frozen=True, kw_only=True)
 class BalanceSection:
     algorithm: str = "optimal"
-    """How rank 0 re-partitions at each load report: ``static`` (never moves a layer) or a name in
-    :data:`dynmo_hpc.balance.ALGORITHMS`, which also holds each one's own settings check. ``uniform``,
-    ``parameters`` and ``optimal`` propose their whole partition at once; ``diffusion`` proposes
-    one phase of neighbour re-splits per report (pairs (0,1), (2,3), ... or (1,2), (3,4), ...,
-    alternating), so a layer moves at most one stage per migration and successive reports walk
-    to diffusion's fixed point. Each proposal is enacted only if it pays for its migration."""
+    """How rank 0 re-partitions at each load report: ``static`` (never moves a layer) or a name
+    in :data:`dynmo_hpc.balance.ALGORITHMS`, which also holds each one's settings check.
+    ``uniform``, ``parameters`` and ``optimal`` propose their whole partition at once;
+    ``diffusion`` proposes one phase of neighbour re-splits per report (pairs (0,1), (2,3), ...
+    or (1,2), (3,4), ..., alternating), so a layer moves at most one stage per migration and
+    successive reports walk to diffusion's fixed point. Each proposal is enacted only if it pays
+    for its migration."""
     interval: int = 5
     """Steps between load reports (per-layer costs gathered to rank 0, run log flushed) and
     balancing decisions."""
