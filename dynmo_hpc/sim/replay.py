@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from dynmo_hpc.balance import partition
 from dynmo_hpc.balance.common import check_values
-from dynmo_hpc.balance.packing import PACK_POLICIES, nodes_for, plan_pack
+from dynmo_hpc.balance.packing import PACK_POLICIES, PackRequest, nodes_for, plan_pack
 from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.machine import Overheads
@@ -380,19 +380,18 @@ def _plan_pack(
     pk = setup.packing
     k = report.wall_s_per_cpu_s
     measured_s = _step_times_s(report, parts, setup, [k])[k]
-    plan = plan_pack(
-        costs_s,
-        parts,
+    request = PackRequest(
         num_microbatches=setup.num_microbatches,
         tokens_per_step=float(setup.num_microbatches),  # only ratios of it matter
         ranks_per_node=pk.ranks_per_node,
         steps_left=steps_left,
         restart_overhead_s=pk.restart_overhead_s,
-        policy=pk.policy,
+        pack_policy=pk.policy,
         max_slowdown=pk.max_slowdown,
         min_stages=pk.min_stages,
         comm_s=setup.comm_s,
         num_cpu_slots=None if setup.cores is None else max(1, int(setup.cores)),
         measured_step_s=measured_s,
     )
+    plan = plan_pack(costs_s, parts, request)
     return list(plan.chosen.parts) if plan.pack else None
