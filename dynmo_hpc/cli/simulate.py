@@ -1,10 +1,11 @@
-"""``dynmo-hpc simulate``: how fast would each balancing policy have run this cost history?
+"""``dynmo-hpc simulate``: how fast would each balancing algorithm have run this cost history?
 
 Why a subcommand: comparing Megatron's uniform split, DeepSpeed's parameter split and the
 dynamic balancers on a run's measured layer costs, or on a made-up cost vector, at a stage count
 no machine here has, should take seconds and no cluster. This module parses, builds the cost
 reports (from a run log or from ``--costs``), calls :func:`dynmo_hpc.sim.replay.replay` once
-per policy and prints the result; the model lives in :mod:`dynmo_hpc.sim`.
+per algorithm (:func:`~dynmo_hpc.sim.replay.replay_algorithms`: the registry's, and ``packing``)
+and prints the result; the model lives in :mod:`dynmo_hpc.sim`.
 
 Example::
 
@@ -31,7 +32,13 @@ from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
 from dynmo_hpc.sim.machine import MachineModel, load_machine
-from dynmo_hpc.sim.replay import POLICIES, CostReport, PackingSetup, ReplaySetup, replay
+from dynmo_hpc.sim.replay import (
+    CostReport,
+    PackingSetup,
+    ReplaySetup,
+    replay,
+    replay_algorithms,
+)
 from dynmo_hpc.sim.step import transfer_time_s
 
 log = logging.getLogger(__name__)
@@ -49,12 +56,13 @@ COSTS_STEPS_PER_INTERVAL = 10
 first decision matters; more would only take longer)."""
 
 
-def _policies(text: str) -> list[str]:
+def _algorithms(text: str) -> list[str]:
     names = [item.strip() for item in text.split(",") if item.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    choices = replay_algorithms()
+    unknown = [n for n in names if n not in choices]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {','.join(POLICIES)}"
+            f"unknown algorithm {', '.join(unknown) or '(none)'}; choose from {','.join(choices)}"
         )
     return names
 
@@ -77,10 +85,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``simulate`` on ``subparsers``; the parsed args carry ``func=run``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
-        help="replay layer costs on a simulated pipeline under each balancing policy",
+        help="replay layer costs on a simulated pipeline under each balancing algorithm",
         description=(
             "Simulate every pipeline step (forward/backward of each microbatch on each stage) "
-            "of a run's load reports, or of a constant cost vector, under each policy."
+            "of a run's load reports, or of a constant cost vector, under each algorithm."
         ),
     )
     source = p.add_mutually_exclusive_group(required=True)
@@ -93,11 +101,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--schedule", choices=sorted(SCHEDULES), help="default: the run's, or 1f1b")
     p.add_argument("--interval", type=int, help="steps per load report (default: the run's, or 10)")
     p.add_argument("--steps", type=int, help="steps to replay (default: all the run's reports)")
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--algorithms",
+        type=_algorithms,
+        help=f"comma-separated, default {','.join(replay_algorithms())}",
+    )
+    which.add_argument(
         "--policies",
-        type=_policies,
-        default=list(POLICIES),
-        help=f"comma-separated, default {','.join(POLICIES)}",
+        type=_algorithms,
+        dest="deprecated_policies",
+        help="deprecated name of --algorithms",
     )
     p.add_argument(
         "--latency-s", type=float, help="per message (default: the machine file's, or 0)"
@@ -149,7 +163,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--restart-overhead-s",
         type=float,
-        help="seconds one resize onto fewer stages stops training, for the packing policy "
+        help="seconds one resize onto fewer stages stops training, for packing "
         "(default: the run's elastic.restart_overhead_s, else its measured resizes' median, "
         "else 10)",
     )
@@ -295,7 +309,7 @@ def _constant_report(args: argparse.Namespace) -> CostReport:
     return report
 
 
-def _progress(policy: str) -> Any:
+def _progress(algorithm: str) -> Any:
     """A callback that logs at most every :data:`PROGRESS_EVERY_S` seconds."""
     started = last = time.monotonic()
 
@@ -304,16 +318,26 @@ def _progress(policy: str) -> Any:
         now = time.monotonic()
         if now - last >= PROGRESS_EVERY_S:
             last = now
-            log.info("simulate %s: step %d/%d (%.0f s)", policy, done, total, now - started)
+            log.info("simulate %s: step %d/%d (%.0f s)", algorithm, done, total, now - started)
 
     return report
 
 
+def _chosen_algorithms(args: argparse.Namespace) -> list[str]:
+    """``--algorithms``, else the deprecated ``--policies`` (with a warning), else all."""
+    if args.algorithms is not None:
+        return list(args.algorithms)
+    if args.deprecated_policies is not None:
+        log.warning("--policies is deprecated; use --algorithms (the same list)")
+        return list(args.deprecated_policies)
+    return list(replay_algorithms())
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the per-policy results; a bad input is one ``error:`` line and exit 2."""
+    """Print the per-algorithm results; a bad input is one ``error:`` line and exit 2."""
     try:
         reports, setup, tokens_per_microbatch = _inputs(args)
-        results = {p: replay(reports, setup, p, _progress(p)) for p in args.policies}
+        results = {a: replay(reports, setup, a, _progress(a)) for a in _chosen_algorithms(args)}
     except (DynmoError, FileNotFoundError, ValueError) as exc:
         print(error_line(exc, HINT), file=sys.stderr)
         return 2
@@ -333,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         f"{setup.num_steps} steps, load report every {setup.interval}"
     )
     print(
-        f"{'policy':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
+        f"{'algorithm':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
         f"{'stages':>8}{'node_s':>12}"
     )
     for p, r in results.items():
