@@ -159,17 +159,10 @@ def should_rebalance(
     receives another costs two.
     """
     values = check_values(costs)
-    num_layers = len(values)
-    old = check_parts(old_parts, num_layers, "old_parts")
-    new = check_parts(new_parts, num_layers, "new_parts")
-    if not (math.isfinite(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
-        raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} must be finite and > 0")
-    steps = steps_until_next_check
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"steps_until_next_check={steps_until_next_check!r} must be an int >= 0")
-    if not (math.isfinite(margin) and margin >= 0):
-        raise ValueError(f"margin={margin!r} must be a finite fraction >= 0 (0.1 means 10 %)")
-    per_layer = _bytes_of_layers(layer_bytes, num_layers)
+    old = check_parts(old_parts, len(values), "old_parts")
+    new = check_parts(new_parts, len(values), "new_parts")
+    _check_rule(bandwidth_bytes_per_s, steps_until_next_check, margin)
+    per_layer = _bytes_of_layers(layer_bytes, len(values))
 
     prefix = prefix_sums(values)
     old_s = max(loads_from_prefix(prefix, old))
@@ -178,25 +171,9 @@ def should_rebalance(
     busiest = max(rank_bytes(moves, per_layer, max(len(old), len(new)) - 1))
     gain_s = (old_s - new_s) * steps_until_next_check
     migration_s = busiest / bandwidth_bytes_per_s
-    needed_s = (1.0 + margin) * migration_s
-
-    if not moves:
-        enact, reason = False, "no change: the new partition equals the old one"
-    elif new_s >= old_s:
-        enact = False
-        reason = f"no gain: new bottleneck {new_s:.6g} s/step >= old {old_s:.6g} s/step"
-    elif gain_s > needed_s:
-        enact = True
-        reason = (
-            f"enact: gain {gain_s:.6g} s over {steps_until_next_check} steps > "
-            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
-    else:
-        enact = False
-        reason = (
-            f"keep: gain {gain_s:.6g} s over {steps_until_next_check} steps <= "
-            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
+    enact, reason = _verdict(
+        bool(moves), old_s, new_s, gain_s, migration_s, steps_until_next_check, margin
+    )
     return Decision(
         enact=enact,
         old_parts=list(old),
@@ -210,6 +187,44 @@ def should_rebalance(
         bytes_moved=sum(per_layer[m.layer] for m in moves),
         busiest_rank_bytes=busiest,
         judged_migration_s=migration_s,
+    )
+
+
+def _check_rule(bandwidth_bytes_per_s: float, steps: int, margin: float) -> None:
+    """ValueError unless the bandwidth is finite and > 0, the steps an int >= 0 and the margin a
+    finite fraction >= 0."""
+    if not (math.isfinite(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
+        raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} must be finite and > 0")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"steps_until_next_check={steps!r} must be an int >= 0")
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ValueError(f"margin={margin!r} must be a finite fraction >= 0 (0.1 means 10 %)")
+
+
+def _verdict(
+    moves: bool,
+    old_s: float,
+    new_s: float,
+    gain_s: float,
+    migration_s: float,
+    steps: int,
+    margin: float,
+) -> tuple[bool, str]:
+    """Enact iff something moves, the bottleneck drops and the gain beats the migration with
+    the margin; the reason in words, with the numbers."""
+    needed_s = (1.0 + margin) * migration_s
+    if not moves:
+        return False, "no change: the new partition equals the old one"
+    if new_s >= old_s:
+        return False, f"no gain: new bottleneck {new_s:.6g} s/step >= old {old_s:.6g} s/step"
+    if gain_s > needed_s:
+        return True, (
+            f"enact: gain {gain_s:.6g} s over {steps} steps > "
+            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
+        )
+    return False, (
+        f"keep: gain {gain_s:.6g} s over {steps} steps <= "
+        f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
     )
 
 
@@ -256,6 +271,36 @@ def should_follow(
     )
     if hops <= 1 or first.enact or first.num_moves == 0:
         return first
+    prefixes = _prefix_totals(
+        costs, path, first, layer_bytes, bandwidth_bytes_per_s, steps_per_hop, margin, hops
+    )
+    # The best prefix by net gain; on a tie the shorter one (less of the future assumed).
+    k = max(range(hops), key=lambda i: (prefixes[i][0] - (1.0 + margin) * prefixes[i][1], -i)) + 1
+    gain_s, migration_s = prefixes[k - 1]
+    enact = gain_s > (1.0 + margin) * migration_s
+    reason = _path_reason(prefixes, k, sum(steps_per_hop[:k]), first.old_bottleneck_s, margin)
+    return replace(
+        first,
+        enact=enact,
+        predicted_gain_s=gain_s,
+        reason=reason,
+        judged_hops=k,
+        judged_migration_s=migration_s,
+    )
+
+
+def _prefix_totals(
+    costs: CostsLike,
+    path: Sequence[Sequence[int]],
+    first: Decision,
+    layer_bytes: float | CostsLike,
+    bandwidth_bytes_per_s: float,
+    steps_per_hop: Sequence[int],
+    margin: float,
+    hops: int,
+) -> list[tuple[float, float]]:
+    """For each prefix of ``hops`` hops, its total gain (against the partition in force) and
+    its total migration seconds, in seconds."""
     old_s = first.old_bottleneck_s
     gain_s, migration_s = first.predicted_gain_s, first.predicted_migration_s
     prefixes = [(gain_s, migration_s)]
@@ -266,29 +311,24 @@ def should_follow(
         gain_s += (old_s - hop.new_bottleneck_s) * steps_per_hop[j]
         migration_s += hop.predicted_migration_s
         prefixes.append((gain_s, migration_s))
-    # The best prefix by net gain; on a tie the shorter one (less of the future assumed).
-    k = max(range(hops), key=lambda i: (prefixes[i][0] - (1.0 + margin) * prefixes[i][1], -i)) + 1
+    return prefixes
+
+
+def _path_reason(
+    prefixes: list[tuple[float, float]], k: int, steps: int, old_s: float, margin: float
+) -> str:
+    """Why the path's first hop is enacted or kept, judged by its best prefix of ``k`` hops."""
     gain_s, migration_s = prefixes[k - 1]
-    steps = sum(steps_per_hop[:k])
     needed_s = (1.0 + margin) * migration_s
-    enact = gain_s > needed_s
-    if enact:
-        reason = (
+    if gain_s > needed_s:
+        return (
             f"enact: hop 1 of {k}: gain {gain_s:.6g} s over {steps} steps > (1 + margin "
             f"{margin:g}) * migration {migration_s:.6g} s over {k} hops = {needed_s:.6g} s"
         )
-    elif max(gain for gain, _ in prefixes) <= 0:
-        reason = f"no gain: none of {hops} hops lowers the bottleneck below {old_s:.6g} s/step"
-    else:
-        reason = (
-            f"keep: best gain {gain_s:.6g} s over {k} hops and {steps} steps <= (1 + margin "
-            f"{margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
-    return replace(
-        first,
-        enact=enact,
-        predicted_gain_s=gain_s,
-        reason=reason,
-        judged_hops=k,
-        judged_migration_s=migration_s,
+    if max(gain for gain, _ in prefixes) <= 0:
+        hops = len(prefixes)
+        return f"no gain: none of {hops} hops lowers the bottleneck below {old_s:.6g} s/step"
+    return (
+        f"keep: best gain {gain_s:.6g} s over {k} hops and {steps} steps <= (1 + margin "
+        f"{margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
     )
