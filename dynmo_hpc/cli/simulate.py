@@ -22,7 +22,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,60 +183,83 @@ def _pick(given: Any, default: Any) -> Any:
     return default if given is None else given
 
 
-def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
-    """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
-    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
+@dataclass(frozen=True)
+class _Source:
+    """What the cost source (a run log or ``--costs``) gives: the reports, the report
+    interval, defaults for the options not given, the smoothing and the packing settings."""
+
+    reports: list[CostReport]
+    interval: int
+    defaults: dict[str, Any]
+    smoothing: float
+    packing: PackingSetup
+
+
+def _from_run_log(args: argparse.Namespace, wall_per_cpu: float | str | None) -> _Source:
+    """``--from RUN``: its load reports and its own settings as the defaults."""
+    from dynmo_hpc.runlog import load
+    from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+
+    path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
+    traces = traces_from_runlog(load(path))
+    reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
+    interval = _pick(args.interval, traces.interval)
+    defaults = {
+        "stages": traces.num_stages,
+        "microbatches": traces.num_microbatches,
+        "schedule": traces.schedule,
+        "margin": traces.margin,
+        "activation_bytes": traces.activation_bytes,
+        "tokens_per_microbatch": traces.tokens_per_microbatch,
+        "steps": interval * len(reports),
+    }
+    return _Source(reports, interval, defaults, traces.smoothing, traces.packing)
+
+
+def _from_costs(args: argparse.Namespace, wall_per_cpu: float | str | None) -> _Source:
+    """``--costs``: one constant report; ``--stages`` and ``--microbatches`` are required."""
+    if wall_per_cpu in (RUN, RUN_INTERVAL):
+        raise ValueError(
+            f"--wall-per-cpu {wall_per_cpu} needs --from; HINT: give a number with --costs"
+        )
+    reports = _with_wall_per_cpu([_constant_report(args)], wall_per_cpu, [])
+    interval = _pick(args.interval, 10)
+    missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(
+            f"--costs needs {' and '.join(missing)}; HINT: e.g. --stages 2 --microbatches 8"
+        )
+    defaults = {
+        "schedule": "1f1b",
+        "margin": 0.1,
+        "activation_bytes": 0.0,
+        "tokens_per_microbatch": 1,
+        "steps": COSTS_STEPS_PER_INTERVAL * interval,
+    }
+    return _Source(reports, interval, defaults, 0.5, PackingSetup())
+
+
+def _link(args: argparse.Namespace, machine: MachineModel) -> tuple[float, float]:
+    """Bandwidth (bytes/s) and latency (s): the options, else the machine file, else defaults."""
     if args.bandwidth_bytes_per_s is not None:
         bandwidth = float(args.bandwidth_bytes_per_s)
     elif args.bandwidth_gbps is not None:
         bandwidth = args.bandwidth_gbps * 1e9 / 8
     else:
         bandwidth = _pick(machine.bandwidth_bytes_per_s, DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
-    latency_s = _pick(args.latency_s, _pick(machine.latency_s, 0.0))
-    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
-    if args.run_log is not None:
-        from dynmo_hpc.runlog import load
-        from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+    return bandwidth, _pick(args.latency_s, _pick(machine.latency_s, 0.0))
 
-        path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
-        traces = traces_from_runlog(load(path))
-        reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
-        interval = _pick(args.interval, traces.interval)
-        defaults = {
-            "stages": traces.num_stages,
-            "microbatches": traces.num_microbatches,
-            "schedule": traces.schedule,
-            "margin": traces.margin,
-            "activation_bytes": traces.activation_bytes,
-            "tokens_per_microbatch": traces.tokens_per_microbatch,
-            "steps": interval * len(reports),
-        }
-        smoothing = traces.smoothing
-        packing = traces.packing
-    else:
-        if wall_per_cpu in (RUN, RUN_INTERVAL):
-            raise ValueError(
-                f"--wall-per-cpu {wall_per_cpu} needs --from; HINT: give a number with --costs"
-            )
-        reports = _with_wall_per_cpu([_constant_report(args)], wall_per_cpu, [])
-        interval = _pick(args.interval, 10)
-        missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
-        if missing:
-            raise ValueError(
-                f"--costs needs {' and '.join(missing)}; HINT: e.g. --stages 2 --microbatches 8"
-            )
-        defaults = {
-            "schedule": "1f1b",
-            "margin": 0.1,
-            "activation_bytes": 0.0,
-            "tokens_per_microbatch": 1,
-            "steps": COSTS_STEPS_PER_INTERVAL * interval,
-        }
-        smoothing = 0.5
-        packing = PackingSetup()
+
+def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
+    """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
+    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
+    bandwidth, latency_s = _link(args, machine)
+    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
+    source = (_from_run_log if args.run_log is not None else _from_costs)(args, wall_per_cpu)
+    packing = source.packing
     if args.restart_overhead_s is not None:
         packing = replace(packing, restart_overhead_s=args.restart_overhead_s)
-    value = {key: _pick(getattr(args, key), default) for key, default in defaults.items()}
+    value = {key: _pick(getattr(args, key), default) for key, default in source.defaults.items()}
     stages = _pick(args.stages, value.get("stages"))
     microbatches = _pick(args.microbatches, value.get("microbatches"))
     if value["tokens_per_microbatch"] < 1:
@@ -246,19 +269,19 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         num_stages=stages,
         num_microbatches=microbatches,
         schedule=value["schedule"],
-        interval=interval,
+        interval=source.interval,
         num_steps=value["steps"],
         comm_s=comm_s if stages > 1 else 0.0,
         bandwidth_bytes_per_s=bandwidth,
         margin=value["margin"],
-        smoothing=smoothing,
+        smoothing=source.smoothing,
         overheads=machine.overheads,
         cores=_pick(args.cores, machine.cores),
         poll_max_s=_pick(machine.poll_max_s, 0.0),
         packing=packing,
     )
     setup.check()
-    return reports, setup, int(value["tokens_per_microbatch"])
+    return source.reports, setup, int(value["tokens_per_microbatch"])
 
 
 def _with_wall_per_cpu(
