@@ -82,6 +82,22 @@ def _interval_of(steps: Sequence[int], report_steps: Sequence[int]) -> list[int]
     return [int(np.searchsorted(np.asarray(report_steps), s)) for s in steps]
 
 
+def _step_ratios(run: RunLog, report_steps: list[int], name: str) -> dict[int, float]:
+    """Each step's measured wall-per-CPU ratio, by step (ValueError when an interval has no
+    stage times)."""
+    per_step = measured_wall_s_per_cpu_s(run, report_steps)
+    if any(k is None for k in per_step):
+        raise ValueError(f"{name}: a report interval has no stage times")
+    times = run.stage_times
+    step_k: dict[int, float] = {}  # in the order measured_wall_s_per_cpu_s gives them
+    previous = -1
+    for report_step, ratios in zip(report_steps, per_step, strict=True):
+        covered = sorted(int(s) for s in times["step"].unique() if previous < s <= report_step)
+        step_k.update(zip(covered, ratios or [], strict=True))
+        previous = report_step
+    return step_k
+
+
 def decompose(run: RunLog, name: str) -> RunDecomposition:
     """Split ``run``'s measured steps into layers, waits and the rest, stage by stage."""
     cfg_pipeline, cfg_train = run.config["pipeline"], run.config["train"]
@@ -94,17 +110,9 @@ def decompose(run: RunLog, name: str) -> RunDecomposition:
     report_steps = run.report_steps()
     if not report_steps:
         raise ValueError(f"{name}: no load reports")
-    per_step = measured_wall_s_per_cpu_s(run, report_steps)
-    if any(k is None for k in per_step):
-        raise ValueError(f"{name}: a report interval has no stage times")
+    step_k = _step_ratios(run, report_steps, name)
     steps = run.steps.set_index("step")["step_time_s"]
     times = run.stage_times
-    step_k: dict[int, float] = {}  # each step's measured ratio, in the order measured gives them
-    previous = -1
-    for report_step, ratios in zip(report_steps, per_step, strict=True):
-        covered = sorted(int(s) for s in times["step"].unique() if previous < s <= report_step)
-        step_k.update(zip(covered, ratios or [], strict=True))
-        previous = report_step
     costs = run.layer_costs
     covering = dict(zip(steps.index, _interval_of(list(steps.index), report_steps), strict=True))
     num_stages = int(cfg_pipeline["num_stages"])
