@@ -24,7 +24,7 @@ memory capacity). A candidate must
 - fit every stage in memory (per-layer bytes against ``capacity_bytes``);
 - not go below ``min_stages``.
 
-The policy picks among them:
+The pack policy (``elastic.policy``; not a balancing algorithm) picks among them:
 
 - ``throughput``: the fewest nodes whose predicted tokens/s is at least ``1 - max_slowdown``
   of the current prediction; among those, the fastest ("consolidate without sacrificing
@@ -107,7 +107,8 @@ class PackPlan:
 
     pack: bool
     """True: checkpoint, shrink to ``chosen`` and resume."""
-    policy: str
+    pack_policy: str
+    """``elastic.policy`` the candidate was chosen with (``policy`` in the run-log event)."""
     current: PackCandidate
     chosen: PackCandidate
     """The candidate to pack onto (``current`` when ``pack`` is False)."""
@@ -125,7 +126,7 @@ class PackPlan:
         """The run-log detail of a ``pack`` event."""
         return {
             "pack": self.pack,
-            "policy": self.policy,
+            "policy": self.pack_policy,
             "from_stages": self.current.num_stages,
             "to_stages": self.chosen.num_stages,
             "from_nodes": self.current.num_nodes,
@@ -347,7 +348,7 @@ def _pays(
         )
     return PackPlan(
         pack=pack,
-        policy=request.pack_policy,
+        pack_policy=request.pack_policy,
         current=current,
         chosen=chosen if pack else current,
         candidates=candidates,
