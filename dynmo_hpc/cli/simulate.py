@@ -91,6 +91,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "of a run's load reports, or of a constant cost vector, under each algorithm."
         ),
     )
+    _add_source_and_pipeline(p)
+    _add_link_and_costs(p)
+    _add_machine(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_source_and_pipeline(p: argparse.ArgumentParser) -> None:
+    """The cost source, the pipeline's shape and the algorithms to replay."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from", dest="run_log", type=Path, help="a run log (run.h5 or its dir)")
     source.add_argument(
@@ -111,8 +121,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--policies",
         type=_algorithms,
         dest="deprecated_policies",
+        metavar="ALGORITHMS",
         help="deprecated name of --algorithms",
     )
+
+
+def _add_link_and_costs(p: argparse.ArgumentParser) -> None:
+    """The link between stages, the decision margin, and what ``--costs`` cannot say."""
     p.add_argument(
         "--latency-s", type=float, help="per message (default: the machine file's, or 0)"
     )
@@ -147,6 +162,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         help="default: the run's micro_batch_size x seq_len, or 1",
     )
+
+
+def _add_machine(p: argparse.ArgumentParser) -> None:
+    """The calibrated machine: overheads, wall per CPU second, restarts, shared cores."""
     p.add_argument(
         "--machine",
         type=Path,
@@ -174,9 +193,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "measured --wall-per-cpu keeps only what the sharing does not explain (default: the "
         "machine file's, or a core per stage)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
-    return p
 
 
 def _pick(given: Any, default: Any) -> Any:
