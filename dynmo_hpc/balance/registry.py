@@ -236,7 +236,7 @@ def propose(algorithm: str, costs_s: Sequence[float], state: BalanceState) -> Pr
     return Proposal(path=[list(state.parts), candidate])
 
 
-def check_settings(settings: Mapping[str, Any]) -> None:
+def check_balance_settings(settings: Mapping[str, Any]) -> None:
     """Validate a ``balance`` section (its fields as a mapping) against the registry: the
     algorithm is :data:`STATIC` or an entry, and the entry's own check passes. ValueError
     otherwise, naming the key."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dynmo_hpc.balance.registry import check_settings as check_balance_settings
+from dynmo_hpc.balance.registry import check_balance_settings
 from dynmo_hpc.config.bounds import (
     MAX_BATCH,
     MAX_SEED,
