@@ -16,7 +16,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/launch/preflight.py dynmo_hpc/pipeline/corpus.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
 	dynmo_hpc/launch/rank_status.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
-	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/bench/policies.py \
+	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/bench/algorithms.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/host_memory.py
 
 .PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean

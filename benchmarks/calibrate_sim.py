@@ -230,7 +230,7 @@ def predict(
 ) -> float:
     """Median simulated step of ``policy`` replaying ``path`` with ``machine`` (none: no
     overheads, no link) and ``--wall-per-cpu wall_per_cpu`` (None: not given, i.e. 1)."""
-    argv = ["--from", str(path), "--policies", policy]
+    argv = ["--from", str(path), "--algorithms", policy]
     if wall_per_cpu is not None:
         argv += ["--wall-per-cpu", wall_per_cpu]
     if machine is None:
@@ -310,23 +310,23 @@ def main() -> None:
         others = decomps[:i] + decomps[i + 1 :]
         machine = machine_from(others, optimizer_s_per_param, (latency_s, bandwidth), args.cores)
         path = paths[d.name]
-        predicted = predict(path, d.policy, machine)
-        unshared = predict(path, d.policy, dataclasses.replace(machine, cores=None))
-        no_wake = predict(path, d.policy, dataclasses.replace(machine, poll_max_s=None))
-        plain = predict(path, d.policy, None, None)
-        ratio_only = predict(path, d.policy, None)
-        per_interval = predict(path, d.policy, machine, "run-interval")
+        predicted = predict(path, d.algorithm, machine)
+        unshared = predict(path, d.algorithm, dataclasses.replace(machine, cores=None))
+        no_wake = predict(path, d.algorithm, dataclasses.replace(machine, poll_max_s=None))
+        plain = predict(path, d.algorithm, None, None)
+        ratio_only = predict(path, d.algorithm, None)
+        per_interval = predict(path, d.algorithm, machine, "run-interval")
         # Without the run's own stage times: the median ratio of the other runs on as many ranks.
         peers = [o.wall_s_per_cpu_s for o in others if o.num_stages == d.num_stages]
         k_others = statistics.median(peers) if peers else 1.0
-        blind = predict(path, d.policy, machine, f"{k_others:.6g}")
+        blind = predict(path, d.algorithm, machine, f"{k_others:.6g}")
         rows.append(
             {
                 "run": d.name,
                 "stages": d.num_stages,
                 "microbatches": d.num_microbatches,
                 "schedule": d.schedule,
-                "policy": d.policy,
+                "policy": d.algorithm,
                 "measured_step_s": d.step_s,
                 "predicted_step_s": predicted,
                 "ratio": predicted / d.step_s,

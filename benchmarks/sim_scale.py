@@ -30,11 +30,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.runlog import load
-from dynmo_hpc.sim.replay import DYNAMIC_POLICIES, STATIC_POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog
 
-SCALE_POLICIES = (*STATIC_POLICIES, *DYNAMIC_POLICIES)
+SCALE_POLICIES = tuple(ALGORITHMS)
 """The table compares partitioning policies at a fixed stage count (no packing)."""
 
 PAPER_SPEEDUP = {

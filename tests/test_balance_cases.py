@@ -332,7 +332,7 @@ def test_a_path_is_judged_by_its_best_prefix() -> None:
         ({"bandwidth_bytes_per_s": 0.0}, "bandwidth_bytes_per_s=0.0 must be finite and > 0"),
         ({"steps_until_next_check": -1}, "steps_until_next_check=-1"),
         ({"margin": -0.5}, "margin=-0.5"),
-        ({"bytes_per_layer": [1.0]}, "bytes_per_layer has 1 entries"),
+        ({"layer_bytes": [1.0]}, "layer_bytes has 1 entries"),
     ],
 )
 def test_decision_rejects_bad_inputs(kwargs: dict[str, object], message: str) -> None:
@@ -340,7 +340,7 @@ def test_decision_rejects_bad_inputs(kwargs: dict[str, object], message: str) ->
         "costs": [1.0, 1.0],
         "old_parts": [0, 1, 2],
         "new_parts": [0, 1, 2],
-        "bytes_per_layer": 1.0,
+        "layer_bytes": 1.0,
         "bandwidth_bytes_per_s": 1.0,
         "steps_until_next_check": 1,
     }

@@ -1,5 +1,5 @@
-"""``dynmo-hpc bench``: the interleaved run order, the policy overrides, the ideal, the same-model
-check, and one real bench end to end on a tiny setting (two policies, one repeat)."""
+"""``dynmo-hpc bench``: the interleaved run order, the algorithm overrides, the ideal, the
+same-model check, and one real bench end to end on a tiny setting (two algorithms, one repeat)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import h5py
 import pandas as pd
 import pytest
 
+from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
 from dynmo_hpc.bench.measure import RunFigures, ideal_step_s, ideal_train_s, run_figures
-from dynmo_hpc.bench.policies import PlannedRun, policy_overrides, run_order
 from dynmo_hpc.bench.summary import (
     LossMismatchError,
     Spread,
@@ -24,9 +24,9 @@ from dynmo_hpc.cli import main
 from tests.helpers.jobs import ROOT, TINY
 
 
-def test_run_order_interleaves_and_rotates_policies() -> None:
+def test_run_order_interleaves_and_rotates_algorithms() -> None:
     order = run_order(["plain", "moe"], ["a", "b", "c"], 2)
-    assert [(r.repeat, r.scheme, r.policy) for r in order] == [
+    assert [(r.repeat, r.scheme, r.algorithm) for r in order] == [
         (0, "plain", "a"), (0, "plain", "b"), (0, "plain", "c"),
         (0, "moe", "a"), (0, "moe", "b"), (0, "moe", "c"),
         (1, "plain", "b"), (1, "plain", "c"), (1, "plain", "a"),
@@ -37,19 +37,19 @@ def test_run_order_interleaves_and_rotates_policies() -> None:
         run_order(["plain"], ["a"], 0)
 
 
-def test_policy_overrides() -> None:
-    assert policy_overrides("uniform", 2, [1, 1, 1, 1]) == [
+def test_algorithm_overrides() -> None:
+    assert algorithm_overrides("uniform", 2, [1, 1, 1, 1]) == [
         "balance.algorithm=static",
         "pipeline.partition=null",
     ]
     # DeepSpeed's split balances parameters: the one big layer gets a stage of its own.
-    assert policy_overrides("parameters", 2, [10, 10, 10, 30]) == [
+    assert algorithm_overrides("parameters", 2, [10, 10, 10, 30]) == [
         "balance.algorithm=static",
         "pipeline.partition=[0, 3, 4]",
     ]
-    assert policy_overrides("diffusion", 2, [1, 1])[0] == "balance.algorithm=diffusion"
-    with pytest.raises(ValueError, match="unknown policy"):
-        policy_overrides("fastest", 2, [1, 1])
+    assert algorithm_overrides("diffusion", 2, [1, 1])[0] == "balance.algorithm=diffusion"
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        algorithm_overrides("fastest", 2, [1, 1])
 
 
 def test_ideal_step_time_by_hand() -> None:
@@ -112,7 +112,7 @@ def test_same_model_check() -> None:
     assert check_same_losses("moe", 0, same, 1e-6) == 0.0
     drifted = {"uniform": [3.0, 2.0], "optimal": [3.0, 2.1]}
     assert max_loss_difference(drifted) == pytest.approx(0.05)
-    with pytest.raises(LossMismatchError, match="moe, repeat 1: the policies' losses differ"):
+    with pytest.raises(LossMismatchError, match="moe, repeat 1: the algorithms' losses differ"):
         check_same_losses("moe", 1, drifted, 1e-6)
     with pytest.raises(LossMismatchError, match="did not train the same steps"):
         max_loss_difference({"uniform": [3.0, 2.0], "optimal": [3.0]})
@@ -147,7 +147,7 @@ def test_speedup_spread_is_pessimistic_and_optimistic() -> None:
 
 
 def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Two policies, one repeat, 3 steps of the tiny model: the three files, same losses."""
+    """Two algorithms, one repeat, 3 steps of the tiny model: the three files, same losses."""
     out = tmp_path / "bench"
     sets = [s for item in TINY if not item.startswith(("train.steps", "balance.algorithm"))
             for s in ("--set", item)]  # fmt: skip

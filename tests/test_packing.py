@@ -10,7 +10,7 @@ import random
 import pytest
 
 from dynmo_hpc.balance import stage_loads
-from dynmo_hpc.balance.packing import nodes_for, plan_pack, predict_step_time_s
+from dynmo_hpc.balance.packing import PackRequest, nodes_for, plan_pack, predict_step_time_s
 
 HEAVY = [1.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0]
 """One layer no partition can split: it sets the pace on 3 stages as on 4."""
@@ -25,7 +25,7 @@ def _plan(costs=HEAVY, parts=(0, 2, 3, 4, 7), **kw):
         "restart_overhead_s": 5.0,
     }
     args.update(kw)
-    return plan_pack(list(costs), list(parts), **args)
+    return plan_pack(list(costs), list(parts), PackRequest(**args))
 
 
 def test_step_time_model_by_hand():
@@ -92,7 +92,7 @@ def test_min_stages_is_respected():
 
 def test_node_hours_policy():
     # tokens per node-hour: 4 stages 121.2 * 3600 / 4 = 109 k; 1 stage 83.3 * 3600 = 300 k
-    plan = _plan(policy="node_hours")
+    plan = _plan(pack_policy="node_hours")
     assert plan.pack and plan.chosen.num_stages == 1
     assert plan.chosen.tokens_per_node_hour == pytest.approx(1000 / 12 * 3600)
 
@@ -121,7 +121,7 @@ def test_oversubscribed_cores_pack_without_loss():
 
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="policy"):
-        _plan(policy="fastest")
+        _plan(pack_policy="fastest")
     with pytest.raises(ValueError, match="max_slowdown"):
         _plan(max_slowdown=1.5)
     with pytest.raises(ValueError, match="restart_overhead_s"):
@@ -145,20 +145,19 @@ def test_properties_on_random_inputs(seed):
     steps_left = rng.choice([0, 1, 10, 1000])
     overhead_s = rng.uniform(0, 20)
     policy = rng.choice(["throughput", "node_hours"])
-    plan = plan_pack(
-        costs,
-        parts,
+    request = PackRequest(
         num_microbatches=rng.randint(1, 16),
         tokens_per_step=1000.0,
         ranks_per_node=rpn,
         steps_left=steps_left,
         restart_overhead_s=overhead_s,
-        policy=policy,
+        pack_policy=policy,
         max_slowdown=max_slowdown,
         memory_bytes=memory,
         capacity_bytes=capacity,
         comm_s=rng.choice([0.0, 0.01]),
     )
+    plan = plan_pack(costs, parts, request)
     for c in plan.candidates:  # whole nodes only: every candidate frees at least one node
         assert c.num_nodes == nodes_for(c.num_stages, rpn) < plan.current.num_nodes
     if not plan.pack:

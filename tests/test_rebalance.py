@@ -16,7 +16,7 @@ from dynmo_hpc.balance import (
     plan_moves,
 )
 from dynmo_hpc.config import BalanceSection
-from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator
+from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator, LayerSize, LoadReport
 from dynmo_hpc.pipeline.rebalance import decide, forced_partition
 
 
@@ -47,11 +47,22 @@ def test_forced_partition_always_valid_and_different(num_stages):
         parts = new
 
 
+def report_of(num_layers, layer_bytes=None):
+    """A load report as the trainer assembles it: 10 parameters and 1000 bytes per layer."""
+    bytes_each = layer_bytes or [1000] * num_layers
+    return LoadReport(
+        step=0,
+        forward_s=[0.0] * num_layers,
+        backward_s=[0.0] * num_layers,
+        sizes=[LayerSize(10, b, 0, 0) for b in bytes_each],
+        peak_mem_bytes=[],
+    )
+
+
 def kwargs(costs, parts, bandwidth=1e12, steps_left=100, report_index=0):
     return {
+        "report": report_of(len(costs)),
         "costs_s": costs,
-        "num_params": [10] * len(costs),
-        "layer_bytes": [1000] * len(costs),
         "parts": parts,
         "bandwidth_bytes_per_s": bandwidth,
         "report_index": report_index,
@@ -119,7 +130,7 @@ def test_no_migration_after_the_last_step(algorithm, force_moves):
 def diffusion_kwargs(costs, parts, report_index, layer_bytes=None, steps_left=10**4):
     args = kwargs(costs, parts, steps_left=steps_left, report_index=report_index)
     if layer_bytes is not None:
-        args["layer_bytes"] = layer_bytes
+        args["report"] = report_of(len(costs), layer_bytes)
     return args
 
 

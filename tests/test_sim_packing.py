@@ -1,4 +1,4 @@
-"""The simulator's ``packing`` policy: the trainer's packing decision replayed on a cost
+"""The simulator's ``packing``: the trainer's packing decision replayed on a cost
 history, with the resize charged to the report step that decides it."""
 
 from __future__ import annotations
@@ -64,22 +64,22 @@ def test_bad_packing_settings_are_value_errors() -> None:
     with pytest.raises(ValueError, match="restart_overhead_s"):
         PackingSetup(restart_overhead_s=-1).check()
     with pytest.raises(ValueError, match="packing policy"):
-        PackingSetup(policy="fastest").check()
+        PackingSetup(pack_policy="fastest").check()
     with pytest.raises(ValueError, match="must be >= 1"):
         PackingSetup(interval=0).check()
 
 
-def test_cli_packing_policy_and_restart_overhead(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_packing_and_restart_overhead(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "--costs", ",".join(str(c) for c in COSTS), "--stages", "4"]
     argv += ["--microbatches", "8", "--interval", "2", "--steps", "40", "--json"]
-    assert main([*argv, "--policies", "optimal,packing", "--restart-overhead-s", "5"]) == 0
+    assert main([*argv, "--algorithms", "optimal,packing", "--restart-overhead-s", "5"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"optimal", "packing"}
     assert set(out["packing"]) == {"step_time_s", "tokens_per_s"}
     # Without --json the table names the final stage count and the node-seconds.
-    assert main([*argv[:-1], "--policies", "optimal,packing", "--restart-overhead-s", "5"]) == 0
+    assert main([*argv[:-1], "--algorithms", "optimal,packing", "--restart-overhead-s", "5"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[1].split() == ["policy", "step_time_s", "tokens_per_s", "migrations", "stages",
+    assert table[1].split() == ["algorithm", "step_time_s", "tokens_per_s", "migrations", "stages",
                                 "node_s"]  # fmt: skip
     assert table[2].split()[4] == "4" and table[3].split()[4] == "3"
     assert main([*argv, "--restart-overhead-s", "-1"]) == 2
@@ -92,5 +92,5 @@ def test_restart_overhead_comes_from_the_run() -> None:
     assert packing_setup({"restart_overhead_s": None}, [5.7, 9.0, 6.1]).restart_overhead_s == 6.1
     assert packing_setup({"restart_overhead_s": None}, []).restart_overhead_s == 10.0
     setup = packing_setup({"interval": 3, "policy": "node_hours", "min_stages": 2}, [])
-    assert (setup.interval, setup.policy, setup.min_stages) == (3, "node_hours", 2)
+    assert (setup.interval, setup.pack_policy, setup.min_stages) == (3, "node_hours", 2)
     assert packing_setup(None, [4.0]) == PackingSetup(restart_overhead_s=4.0)

@@ -1,6 +1,6 @@
 """The pipeline simulator: exact step times for cases worked out by hand, agreement with the
 trainer's schedules and with the closed form where that is exact, the replay of a cost history
-under each policy, and ``dynmo-hpc simulate`` end to end (on a constant cost vector and on a real
+under each algorithm, and ``dynmo-hpc simulate`` end to end (on a constant cost vector and on a real
 run log)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.calibration import RunDecomposition, decompose, fit_overheads
 from dynmo_hpc.sim.machine import MachineModel, Overheads, load_machine, save_machine
 from dynmo_hpc.sim.orders import orders_from_actions, stage_orders
-from dynmo_hpc.sim.replay import POLICIES, CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, replay_algorithms
 from dynmo_hpc.sim.runlog_traces import measured_wall_s_per_cpu_s
 from dynmo_hpc.sim.step import simulate_step, stage_times_s, transfer_time_s
 
@@ -216,9 +216,9 @@ def test_replay_migrates_when_it_pays_and_charges_the_move() -> None:
     static = replay(reports, SETUP, "uniform")
     assert static.step_times_s == [9.0, 9.0, 13.0, 13.0, 13.0, 13.0]
     assert static.migrations == 0
-    for policy in ("optimal", "diffusion"):
-        dynamic = replay(reports, SETUP, policy)
-        assert dynamic.step_times_s == [9.0, 9.0, 13.0, 14.0, 13.5, 13.5], policy
+    for algorithm in ("optimal", "diffusion"):
+        dynamic = replay(reports, SETUP, algorithm)
+        assert dynamic.step_times_s == [9.0, 9.0, 13.0, 14.0, 13.5, 13.5], algorithm
         assert (dynamic.migrations, dynamic.migration_s) == (1, 1.0)
         assert dynamic.final_parts == [0, 1, 4]
         assert dynamic.median_step_time_s == 13.25  # 9, 9, 13, 13.5, 13.5, 14
@@ -245,7 +245,7 @@ def test_replay_keeps_the_partition_when_migration_costs_more() -> None:
     assert result.step_times_s == replay(reports, SETUP, "uniform").step_times_s
 
 
-def test_parameters_policy_splits_by_parameter_count() -> None:
+def test_parameters_algorithm_splits_by_parameter_count() -> None:
     report = CostReport(
         forward_s=[1.0] * 4, backward_s=[1.0] * 4, num_params=[30, 10, 10, 10], layer_bytes=[0] * 4
     )
@@ -254,11 +254,11 @@ def test_parameters_policy_splits_by_parameter_count() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reports", "setup", "policy", "match"),
+    ("reports", "setup", "algorithm", "match"),
     [
         ([_report([1.0, 1.0])], ReplaySetup(num_stages=3, num_microbatches=2), "optimal", "> n"),
         ([], SETUP, "optimal", "no load reports"),
-        ([_report([1.0, 1.0])], SETUP, "greedy", "unknown policy"),
+        ([_report([1.0, 1.0])], SETUP, "greedy", "unknown algorithm"),
         ([_report([1.0, float("nan")])], SETUP, "uniform", "finite"),
         ([_report([1.0, 1.0])], ReplaySetup(num_stages=2, num_microbatches=0), "uniform", ">= 1"),
         ([_report([1.0, 1.0]), _report([1.0, 1.0, 1.0])], SETUP, "uniform", "same layers"),
@@ -268,10 +268,10 @@ def test_parameters_policy_splits_by_parameter_count() -> None:
     ],
 )
 def test_bad_replay_inputs_are_value_errors(
-    reports: list[CostReport], setup: ReplaySetup, policy: str, match: str
+    reports: list[CostReport], setup: ReplaySetup, algorithm: str, match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        replay(reports, setup, policy)
+        replay(reports, setup, algorithm)
 
 
 # --- calibration -------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_decompose_hand_run() -> None:
     """Steps of 1 s (1.25 s with a report): stage 0 has 0.75 s in layers, 0.125 s idle, so
     0.125 s of rest (0.0625 CPU s at k=2), and 0.25 s more on report steps (0.125 CPU s)."""
     d = decompose(_run_log([1.0, 1.25, 1.0, 1.25]), "hand")
-    assert (d.num_stages, d.num_microbatches, d.schedule, d.policy) == (2, 2, "1f1b", "uniform")
+    assert (d.num_stages, d.num_microbatches, d.schedule, d.algorithm) == (2, 2, "1f1b", "uniform")
     assert d.step_s == 1.125
     assert d.compute_s == [0.75, 0.75] and d.layer_cpu_s == [0.375, 0.375]
     assert d.idle_s == [0.125, 0.0625] and d.rest_s == [0.125, 0.1875]
@@ -345,7 +345,7 @@ def test_decompose_hand_run() -> None:
 
 def _decomposition(m: int, rest_cpu_s: float, report_cpu_s: float = 0.0) -> RunDecomposition:
     return RunDecomposition(
-        name=f"m{m}", num_stages=2, num_microbatches=m, schedule="1f1b", policy="uniform",
+        name=f"m{m}", num_stages=2, num_microbatches=m, schedule="1f1b", algorithm="uniform",
         step_s=1.0, compute_s=[], layer_cpu_s=[], idle_s=[], rest_s=[], report_extra_s=0.0,
         wall_s_per_cpu_s=1.0, stage_params=[10**6, 5 * 10**5], rest_cpu_s=rest_cpu_s,
         report_cpu_s=report_cpu_s,
@@ -413,11 +413,11 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 COSTS = ["--costs", "4,1,1,1,1,1,1,1", "--stages", "2", "--microbatches", "4"]
 
 
-def test_cli_json_has_the_four_policies(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_has_every_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _cli([*COSTS, "--json"], capsys)
     assert rc == 0, err
     result = json.loads(out)
-    assert list(result) == list(POLICIES)
+    assert list(result) == list(replay_algorithms())
     assert all(set(v) == {"step_time_s", "tokens_per_s"} for v in result.values())
     # uniform: [0,4,8], loads 7 s and 4 s per step, forward a third; 4 tokens per step.
     uniform_s = simulate_step([7 / 12, 1 / 3], [14 / 12, 2 / 3], 4, "1f1b").step_time_s
@@ -428,8 +428,8 @@ def test_cli_json_has_the_four_policies(capsys: pytest.CaptureFixture[str]) -> N
     assert result["diffusion"]["step_time_s"] == result["optimal"]["step_time_s"]
 
 
-def test_cli_table_and_policy_subset(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = _cli([*COSTS, "--policies", "uniform,optimal", "--schedule", "gpipe"], capsys)
+def test_cli_table_and_algorithm_subset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _cli([*COSTS, "--algorithms", "uniform,optimal", "--schedule", "gpipe"], capsys)
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("2 stages, 4 microbatches, gpipe")
@@ -437,12 +437,28 @@ def test_cli_table_and_policy_subset(capsys: pytest.CaptureFixture[str]) -> None
     assert lines[3].split()[3] == "1"  # optimal migrated once
 
 
+def test_cli_deprecated_policies_flag_still_works_and_names_algorithms(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--policies`` is the old name of ``--algorithms``: the same result, and a warning
+    (the package's log goes to stderr)."""
+    rc, new, err = _cli([*COSTS, "--algorithms", "uniform,optimal", "--json"], capsys)
+    assert rc == 0, err
+    assert "deprecated" not in err
+    rc, old, err = _cli([*COSTS, "--policies", "uniform,optimal", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(old) == json.loads(new)
+    assert "--policies is deprecated; use --algorithms" in err
+    rc, _, err = _cli([*COSTS, "--policies", "uniform", "--algorithms", "optimal"], capsys)
+    assert rc == 2 and "not allowed with argument" in err
+
+
 def test_cli_logs_progress_of_a_long_replay(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Progress goes to the log (stderr); stdout keeps only the JSON."""
     monkeypatch.setattr(simulate_cli, "PROGRESS_EVERY_S", 0.0)
-    rc, out, err = _cli([*COSTS, "--policies", "optimal", "--steps", "30", "--json"], capsys)
+    rc, out, err = _cli([*COSTS, "--algorithms", "optimal", "--steps", "30", "--json"], capsys)
     assert rc == 0, err
     assert "simulate optimal: step 30/30" in err
     assert list(json.loads(out)) == ["optimal"]
@@ -463,17 +479,17 @@ def test_cli_machine_file_and_wall_per_cpu(
     machine.write_text(json.dumps({**terms, "latency_s": 0.0, "wall_s_per_cpu_s": 2.0}))
     costs = ["--costs", "3,3,3,3", "--params", "100,100,100,100", "--stages", "2"]
     argv = [*costs, "--microbatches", "2", "--interval", "2", "--steps", "6", "--json"]
-    rc, out, err = _cli([*argv, "--policies", "uniform", "--machine", str(machine)], capsys)
+    rc, out, err = _cli([*argv, "--algorithms", "uniform", "--machine", str(machine)], capsys)
     assert rc == 0, err
     assert json.loads(out)["uniform"] == {"step_time_s": 27.0, "tokens_per_s": 12 / 162}
     # --wall-per-cpu overrides the file's ratio: 1 gives f=1.25, b=2.25 (10.5), + 2.5, + 1.
-    rc, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine),
+    rc, out, _ = _cli([*argv, "--algorithms", "uniform", "--machine", str(machine),
                        "--wall-per-cpu", "1"], capsys)  # fmt: skip
     assert json.loads(out)["uniform"]["step_time_s"] == 13.5
     machine.write_text(json.dumps({**terms, "latency_s": 1.0}))
-    _, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine)], capsys)
+    _, out, _ = _cli([*argv, "--algorithms", "uniform", "--machine", str(machine)], capsys)
     latency = json.loads(out)["uniform"]["step_time_s"]
-    _, out, _ = _cli([*argv, "--policies", "uniform", "--machine", str(machine),
+    _, out, _ = _cli([*argv, "--algorithms", "uniform", "--machine", str(machine),
                       "--latency-s", "0"], capsys)  # fmt: skip
     assert latency > json.loads(out)["uniform"]["step_time_s"] == 13.5
 
@@ -500,7 +516,7 @@ def _one_error_line(rc: int, out: str, err: str) -> str:
         ([*COSTS, "--bandwidth-bytes-per-s", "0"], "bandwidth"),
         ([*COSTS, "--latency-s", "-1"], "latency_s"),
         ([*COSTS, "--interval", "0"], "interval=0"),
-        ([*COSTS, "--policies", "fastest"], "unknown policy fastest"),
+        ([*COSTS, "--algorithms", "fastest"], "unknown algorithm fastest"),
         ([*COSTS, "--params", "1,2"], "--params has 2 entries"),
         (["--costs", "1,x", "--stages", "2"], "comma-separated numbers"),
         (["--stages", "2"], "one of the arguments --from --costs is required"),
@@ -552,7 +568,7 @@ def test_cli_from_a_real_run_log(tiny_run: Path, capsys: pytest.CaptureFixture[s
     rc, out, err = _cli(["--from", str(tiny_run), "--json"], capsys)
     assert rc == 0, err
     result = json.loads(out)
-    assert list(result) == list(POLICIES)
+    assert list(result) == list(replay_algorithms())
     traces = traces_from_runlog(load(tiny_run))
     assert len(traces.reports) == 3 and traces.interval == 2 and traces.num_stages == 2
     assert traces.tokens_per_microbatch == 2 * 32  # micro_batch_size x seq_len of the tiny job
@@ -569,7 +585,7 @@ def test_cli_from_a_real_run_log(tiny_run: Path, capsys: pytest.CaptureFixture[s
     assert result["uniform"]["step_time_s"] == pytest.approx(uniform.median_step_time_s)
     assert result["uniform"]["tokens_per_s"] == pytest.approx(uniform.tokens_per_s(64 * 4))
     # --wall-per-cpu run: each step's costs stretched by its ratio measured from the log.
-    rc, out, err = _cli(["--from", str(tiny_run), "--policies", "uniform", "--json",
+    rc, out, err = _cli(["--from", str(tiny_run), "--algorithms", "uniform", "--json",
                          "--wall-per-cpu", "run"], capsys)  # fmt: skip
     assert rc == 0, err
     measured = traces.step_wall_s_per_cpu_s

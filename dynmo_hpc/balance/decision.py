@@ -105,15 +105,15 @@ class Decision:
         }
 
 
-def _bytes_of_layers(bytes_per_layer: float | CostsLike, num_layers: int) -> list[float]:
-    if isinstance(bytes_per_layer, int | float):
-        if not math.isfinite(bytes_per_layer) or bytes_per_layer < 0:
-            raise ValueError(f"bytes_per_layer={bytes_per_layer!r} must be finite and >= 0")
-        return [float(bytes_per_layer)] * num_layers
-    values = check_values(bytes_per_layer, "bytes_per_layer")
+def _bytes_of_layers(layer_bytes: float | CostsLike, num_layers: int) -> list[float]:
+    if isinstance(layer_bytes, int | float):
+        if not math.isfinite(layer_bytes) or layer_bytes < 0:
+            raise ValueError(f"layer_bytes={layer_bytes!r} must be finite and >= 0")
+        return [float(layer_bytes)] * num_layers
+    values = check_values(layer_bytes, "layer_bytes")
     if len(values) != num_layers:
         raise ValueError(
-            f"bytes_per_layer has {len(values)} entries but costs has {num_layers}; "
+            f"layer_bytes has {len(values)} entries but costs has {num_layers}; "
             "pass one per layer or a single number"
         )
     return values
@@ -137,7 +137,7 @@ def should_rebalance(
     costs: CostsLike,
     old_parts: Sequence[int],
     new_parts: Sequence[int],
-    bytes_per_layer: float | CostsLike,
+    layer_bytes: float | CostsLike,
     bandwidth_bytes_per_s: float,
     steps_until_next_check: int,
     margin: float = 0.1,
@@ -148,7 +148,7 @@ def should_rebalance(
         costs: measured seconds per layer per step.
         old_parts, new_parts: the partition in use and the candidate (same layers; the stage
             count may differ, e.g. after packing).
-        bytes_per_layer: bytes that travel with a layer (weights + gradients + optimizer
+        layer_bytes: bytes that travel with a layer (weights + gradients + optimizer
             state), one number for all layers or one per layer.
         bandwidth_bytes_per_s: measured rate of one transfer between two ranks.
         steps_until_next_check: training steps over which the gain accrues.
@@ -159,44 +159,21 @@ def should_rebalance(
     receives another costs two.
     """
     values = check_values(costs)
-    num_layers = len(values)
-    old = check_parts(old_parts, num_layers, "old_parts")
-    new = check_parts(new_parts, num_layers, "new_parts")
-    if not (math.isfinite(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
-        raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} must be finite and > 0")
-    steps = steps_until_next_check
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"steps_until_next_check={steps_until_next_check!r} must be an int >= 0")
-    if not (math.isfinite(margin) and margin >= 0):
-        raise ValueError(f"margin={margin!r} must be a finite fraction >= 0 (0.1 means 10 %)")
-    layer_bytes = _bytes_of_layers(bytes_per_layer, num_layers)
+    old = check_parts(old_parts, len(values), "old_parts")
+    new = check_parts(new_parts, len(values), "new_parts")
+    _check_rule(bandwidth_bytes_per_s, steps_until_next_check, margin)
+    per_layer = _bytes_of_layers(layer_bytes, len(values))
 
     prefix = prefix_sums(values)
     old_s = max(loads_from_prefix(prefix, old))
     new_s = max(loads_from_prefix(prefix, new))
     moves = plan_moves(old, new)
-    busiest = max(rank_bytes(moves, layer_bytes, max(len(old), len(new)) - 1))
+    busiest = max(rank_bytes(moves, per_layer, max(len(old), len(new)) - 1))
     gain_s = (old_s - new_s) * steps_until_next_check
     migration_s = busiest / bandwidth_bytes_per_s
-    needed_s = (1.0 + margin) * migration_s
-
-    if not moves:
-        enact, reason = False, "no change: the new partition equals the old one"
-    elif new_s >= old_s:
-        enact = False
-        reason = f"no gain: new bottleneck {new_s:.6g} s/step >= old {old_s:.6g} s/step"
-    elif gain_s > needed_s:
-        enact = True
-        reason = (
-            f"enact: gain {gain_s:.6g} s over {steps_until_next_check} steps > "
-            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
-    else:
-        enact = False
-        reason = (
-            f"keep: gain {gain_s:.6g} s over {steps_until_next_check} steps <= "
-            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
+    enact, reason = _verdict(
+        bool(moves), old_s, new_s, gain_s, migration_s, steps_until_next_check, margin
+    )
     return Decision(
         enact=enact,
         old_parts=list(old),
@@ -207,16 +184,54 @@ def should_rebalance(
         old_bottleneck_s=old_s,
         new_bottleneck_s=new_s,
         num_moves=len(moves),
-        bytes_moved=sum(layer_bytes[m.layer] for m in moves),
+        bytes_moved=sum(per_layer[m.layer] for m in moves),
         busiest_rank_bytes=busiest,
         judged_migration_s=migration_s,
+    )
+
+
+def _check_rule(bandwidth_bytes_per_s: float, steps: int, margin: float) -> None:
+    """ValueError unless the bandwidth is finite and > 0, the steps an int >= 0 and the margin a
+    finite fraction >= 0."""
+    if not (math.isfinite(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
+        raise ValueError(f"bandwidth_bytes_per_s={bandwidth_bytes_per_s!r} must be finite and > 0")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"steps_until_next_check={steps!r} must be an int >= 0")
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ValueError(f"margin={margin!r} must be a finite fraction >= 0 (0.1 means 10 %)")
+
+
+def _verdict(
+    moves: bool,
+    old_s: float,
+    new_s: float,
+    gain_s: float,
+    migration_s: float,
+    steps: int,
+    margin: float,
+) -> tuple[bool, str]:
+    """Enact iff something moves, the bottleneck drops and the gain beats the migration with
+    the margin; the reason in words, with the numbers."""
+    needed_s = (1.0 + margin) * migration_s
+    if not moves:
+        return False, "no change: the new partition equals the old one"
+    if new_s >= old_s:
+        return False, f"no gain: new bottleneck {new_s:.6g} s/step >= old {old_s:.6g} s/step"
+    if gain_s > needed_s:
+        return True, (
+            f"enact: gain {gain_s:.6g} s over {steps} steps > "
+            f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
+        )
+    return False, (
+        f"keep: gain {gain_s:.6g} s over {steps} steps <= "
+        f"(1 + margin {margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
     )
 
 
 def should_follow(
     costs: CostsLike,
     path: Sequence[Sequence[int]],
-    bytes_per_layer: float | CostsLike,
+    layer_bytes: float | CostsLike,
     bandwidth_bytes_per_s: float,
     steps_per_hop: Sequence[int],
     margin: float = 0.1,
@@ -249,41 +264,21 @@ def should_follow(
         costs,
         path[0],
         path[min(1, hops)],
-        bytes_per_layer,
+        layer_bytes,
         bandwidth_bytes_per_s,
         steps_per_hop[0] if hops else 0,
         margin,
     )
     if hops <= 1 or first.enact or first.num_moves == 0:
         return first
-    old_s = first.old_bottleneck_s
-    gain_s, migration_s = first.predicted_gain_s, first.predicted_migration_s
-    prefixes = [(gain_s, migration_s)]
-    for j in range(1, hops):
-        hop = should_rebalance(
-            costs, path[j], path[j + 1], bytes_per_layer, bandwidth_bytes_per_s, 0, margin
-        )
-        gain_s += (old_s - hop.new_bottleneck_s) * steps_per_hop[j]
-        migration_s += hop.predicted_migration_s
-        prefixes.append((gain_s, migration_s))
+    prefixes = _prefix_totals(
+        costs, path, first, layer_bytes, bandwidth_bytes_per_s, steps_per_hop, margin, hops
+    )
     # The best prefix by net gain; on a tie the shorter one (less of the future assumed).
     k = max(range(hops), key=lambda i: (prefixes[i][0] - (1.0 + margin) * prefixes[i][1], -i)) + 1
     gain_s, migration_s = prefixes[k - 1]
-    steps = sum(steps_per_hop[:k])
-    needed_s = (1.0 + margin) * migration_s
-    enact = gain_s > needed_s
-    if enact:
-        reason = (
-            f"enact: hop 1 of {k}: gain {gain_s:.6g} s over {steps} steps > (1 + margin "
-            f"{margin:g}) * migration {migration_s:.6g} s over {k} hops = {needed_s:.6g} s"
-        )
-    elif max(gain for gain, _ in prefixes) <= 0:
-        reason = f"no gain: none of {hops} hops lowers the bottleneck below {old_s:.6g} s/step"
-    else:
-        reason = (
-            f"keep: best gain {gain_s:.6g} s over {k} hops and {steps} steps <= (1 + margin "
-            f"{margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
-        )
+    enact = gain_s > (1.0 + margin) * migration_s
+    reason = _path_reason(prefixes, k, sum(steps_per_hop[:k]), first.old_bottleneck_s, margin)
     return replace(
         first,
         enact=enact,
@@ -291,4 +286,49 @@ def should_follow(
         reason=reason,
         judged_hops=k,
         judged_migration_s=migration_s,
+    )
+
+
+def _prefix_totals(
+    costs: CostsLike,
+    path: Sequence[Sequence[int]],
+    first: Decision,
+    layer_bytes: float | CostsLike,
+    bandwidth_bytes_per_s: float,
+    steps_per_hop: Sequence[int],
+    margin: float,
+    hops: int,
+) -> list[tuple[float, float]]:
+    """For each prefix of ``hops`` hops, its total gain (against the partition in force) and
+    its total migration seconds, in seconds."""
+    old_s = first.old_bottleneck_s
+    gain_s, migration_s = first.predicted_gain_s, first.predicted_migration_s
+    prefixes = [(gain_s, migration_s)]
+    for j in range(1, hops):
+        hop = should_rebalance(
+            costs, path[j], path[j + 1], layer_bytes, bandwidth_bytes_per_s, 0, margin
+        )
+        gain_s += (old_s - hop.new_bottleneck_s) * steps_per_hop[j]
+        migration_s += hop.predicted_migration_s
+        prefixes.append((gain_s, migration_s))
+    return prefixes
+
+
+def _path_reason(
+    prefixes: list[tuple[float, float]], k: int, steps: int, old_s: float, margin: float
+) -> str:
+    """Why the path's first hop is enacted or kept, judged by its best prefix of ``k`` hops."""
+    gain_s, migration_s = prefixes[k - 1]
+    needed_s = (1.0 + margin) * migration_s
+    if gain_s > needed_s:
+        return (
+            f"enact: hop 1 of {k}: gain {gain_s:.6g} s over {steps} steps > (1 + margin "
+            f"{margin:g}) * migration {migration_s:.6g} s over {k} hops = {needed_s:.6g} s"
+        )
+    if max(gain for gain, _ in prefixes) <= 0:
+        hops = len(prefixes)
+        return f"no gain: none of {hops} hops lowers the bottleneck below {old_s:.6g} s/step"
+    return (
+        f"keep: best gain {gain_s:.6g} s over {k} hops and {steps} steps <= (1 + margin "
+        f"{margin:g}) * migration {migration_s:.6g} s = {needed_s:.6g} s"
     )

@@ -24,7 +24,7 @@ memory capacity). A candidate must
 - fit every stage in memory (per-layer bytes against ``capacity_bytes``);
 - not go below ``min_stages``.
 
-The policy picks among them:
+The pack policy (``elastic.policy``; not a balancing algorithm) picks among them:
 
 - ``throughput``: the fewest nodes whose predicted tokens/s is at least ``1 - max_slowdown``
   of the current prediction; among those, the fastest ("consolidate without sacrificing
@@ -107,7 +107,8 @@ class PackPlan:
 
     pack: bool
     """True: checkpoint, shrink to ``chosen`` and resume."""
-    policy: str
+    pack_policy: str
+    """``elastic.policy`` the candidate was chosen with (``policy`` in the run-log event)."""
     current: PackCandidate
     chosen: PackCandidate
     """The candidate to pack onto (``current`` when ``pack`` is False)."""
@@ -125,7 +126,7 @@ class PackPlan:
         """The run-log detail of a ``pack`` event."""
         return {
             "pack": self.pack,
-            "policy": self.policy,
+            "policy": self.pack_policy,
             "from_stages": self.current.num_stages,
             "to_stages": self.chosen.num_stages,
             "from_nodes": self.current.num_nodes,
@@ -141,161 +142,240 @@ class PackPlan:
         }
 
 
-def plan_pack(
-    costs_s: CostsLike,
-    parts: Sequence[int],
-    *,
-    num_microbatches: int,
-    tokens_per_step: float,
-    ranks_per_node: int,
-    steps_left: int,
-    restart_overhead_s: float,
-    policy: str = "throughput",
-    max_slowdown: float = 0.1,
-    min_stages: int = 1,
-    memory_bytes: CostsLike | None = None,
-    capacity_bytes: float | None = None,
-    comm_s: float = 0.0,
-    num_cpu_slots: int | None = None,
-    measured_step_s: float | None = None,
-) -> PackPlan:
-    """Whether to pack ``parts`` onto fewer stages (see the module docstring).
+@dataclass(frozen=True, kw_only=True)
+class PackRequest:
+    """What a packing decision needs besides the costs and the partition in force."""
 
-    Args:
-        costs_s: smoothed seconds per layer per step.
-        parts: the partition in force.
-        num_microbatches, tokens_per_step: the step's shape.
-        ranks_per_node: ranks the allocation places on a node (1 locally).
-        steps_left: training steps after this decision.
-        restart_overhead_s: measured (or estimated) seconds a resize stops training.
-        policy, max_slowdown, min_stages: ``elastic.*``.
-        memory_bytes, capacity_bytes: per-layer bytes and the per-stage capacity (both or none).
-        comm_s: seconds per activation or gradient message between stages.
-        num_cpu_slots: CPU cores the ranks share when fewer than the stages (None: one each).
-        measured_step_s: the measured step time now, to calibrate the model.
+    num_microbatches: int
+    """Microbatches per step (the step's shape)."""
+    tokens_per_step: float
+    """Tokens per step; only ratios of it matter to the decision."""
+    ranks_per_node: int
+    """Ranks the allocation places on a node (1 locally)."""
+    steps_left: int
+    """Training steps after this decision."""
+    restart_overhead_s: float
+    """Measured (or estimated) seconds a resize stops training."""
+    pack_policy: str = "throughput"
+    """``elastic.policy``: how a candidate is chosen (:data:`PACK_POLICIES`)."""
+    max_slowdown: float = 0.1
+    """``elastic.max_slowdown``: the throughput a ``throughput`` pack may lose, as a fraction."""
+    min_stages: int = 1
+    """``elastic.min_stages``: never pack below this."""
+    memory_bytes: CostsLike | None = None
+    """Per layer: bytes it holds on its stage (with ``capacity_bytes``, both or none)."""
+    capacity_bytes: float | None = None
+    """Per stage: bytes it may hold."""
+    comm_s: float = 0.0
+    """Seconds per activation or gradient message between stages."""
+    num_cpu_slots: int | None = None
+    """CPU cores the ranks share when fewer than the stages (None: one each)."""
+    measured_step_s: float | None = None
+    """The measured step time now, to calibrate the model (None: uncalibrated)."""
 
-    Example: one heavy layer sets the pace; 3 stages are as fast as 4 and free a node::
+    def check(self) -> None:
+        """Raise ValueError on a setting no decision can use."""
+        if self.pack_policy not in PACK_POLICIES:
+            raise ValueError(
+                f"policy={self.pack_policy!r} is not one of {', '.join(PACK_POLICIES)}"
+            )
+        if self.ranks_per_node < 1 or self.min_stages < 1 or self.steps_left < 0:
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node}, min_stages={self.min_stages} must be "
+                f">= 1 and steps_left={self.steps_left} >= 0"
+            )
+        if not (math.isfinite(self.max_slowdown) and 0 <= self.max_slowdown < 1):
+            raise ValueError(f"max_slowdown={self.max_slowdown!r} must be in [0, 1)")
+        if not (math.isfinite(self.restart_overhead_s) and self.restart_overhead_s >= 0):
+            raise ValueError(
+                f"restart_overhead_s={self.restart_overhead_s!r} must be finite and >= 0"
+            )
 
-        plan_pack([1, 1, 1, 6, 1, 1, 1], [0, 2, 3, 4, 7], num_microbatches=8,
-                  tokens_per_step=1000, ranks_per_node=1, steps_left=100,
-                  restart_overhead_s=5).chosen.num_stages == 3
-    """
-    values = check_values(costs_s)
-    current_parts = check_parts(parts, len(values))
-    num_stages = len(current_parts) - 1
-    if policy not in PACK_POLICIES:
-        raise ValueError(f"policy={policy!r} is not one of {', '.join(PACK_POLICIES)}")
-    if ranks_per_node < 1 or min_stages < 1 or steps_left < 0:
-        raise ValueError(
-            f"ranks_per_node={ranks_per_node}, min_stages={min_stages} must be >= 1 and "
-            f"steps_left={steps_left} >= 0"
-        )
-    if not (math.isfinite(max_slowdown) and 0 <= max_slowdown < 1):
-        raise ValueError(f"max_slowdown={max_slowdown!r} must be in [0, 1)")
-    if not (math.isfinite(restart_overhead_s) and restart_overhead_s >= 0):
-        raise ValueError(f"restart_overhead_s={restart_overhead_s!r} must be finite and >= 0")
 
-    def predict(candidate_parts: list[int]) -> float:
+@dataclass(frozen=True)
+class _StepModel:
+    """The closed-form step model on ``values``, calibrated against the measured step."""
+
+    values: list[float]
+    request: PackRequest
+    calibration: float = 1.0
+
+    def predict_s(self, parts: list[int]) -> float:
+        """Uncalibrated seconds per step of ``parts``."""
+        r = self.request
         return predict_step_time_s(
-            values, candidate_parts, num_microbatches, comm_s=comm_s, num_cpu_slots=num_cpu_slots
+            self.values, parts, r.num_microbatches, comm_s=r.comm_s, num_cpu_slots=r.num_cpu_slots
         )
 
-    model_now_s = predict(current_parts)
-    calibration = 1.0
-    if measured_step_s is not None and measured_step_s > 0 and model_now_s > 0:
-        calibration = measured_step_s / model_now_s
-
-    def candidate(n: int, candidate_parts: list[int], fits: bool) -> PackCandidate:
-        nodes = nodes_for(n, ranks_per_node)
-        step_s = predict(candidate_parts) * calibration if fits else math.inf
-        tps = tokens_per_step / step_s if fits and step_s > 0 else 0.0
+    def candidate(self, num_stages: int, parts: list[int], fits: bool) -> PackCandidate:
+        """``parts`` on ``num_stages`` as a candidate (infinitely slow if it does not fit)."""
+        nodes = nodes_for(num_stages, self.request.ranks_per_node)
+        step_s = self.predict_s(parts) * self.calibration if fits else math.inf
+        tps = self.request.tokens_per_step / step_s if fits and step_s > 0 else 0.0
         return PackCandidate(
-            num_stages=n,
+            num_stages=num_stages,
             num_nodes=nodes,
-            parts=candidate_parts if fits else [],
+            parts=parts if fits else [],
             fits_memory=fits,
             step_time_s=step_s,
             tokens_per_s=tps,
             tokens_per_node_hour=tps * 3600.0 / nodes,
         )
 
-    current = candidate(num_stages, current_parts, True)
-    candidates = []
-    for n in range(num_stages - 1, max(min_stages, 1) - 1, -1):
-        if nodes_for(n, ranks_per_node) >= current.num_nodes or n > len(values):
+
+def _calibrated_model(values: list[float], parts: list[int], request: PackRequest) -> _StepModel:
+    """The step model, scaled so that it predicts the measured step of ``parts`` exactly."""
+    model = _StepModel(values, request)
+    model_now_s = model.predict_s(parts)
+    measured = request.measured_step_s
+    if measured is not None and measured > 0 and model_now_s > 0:
+        return _StepModel(values, request, measured / model_now_s)
+    return model
+
+
+def _smaller_candidates(
+    model: _StepModel, current_parts: list[int], current: PackCandidate
+) -> list[PackCandidate]:
+    """Every smaller stage count down to ``min_stages`` that releases a node, with its optimal
+    partition under the memory capacity (one that fits nowhere is kept, marked not fitting)."""
+    r = model.request
+    out = []
+    for n in range(current.num_stages - 1, max(r.min_stages, 1) - 1, -1):
+        if nodes_for(n, r.ranks_per_node) >= current.num_nodes or n > len(model.values):
             continue
         try:
-            best_parts = optimal(values, n, memory=memory_bytes, capacity=capacity_bytes)
+            best_parts = optimal(model.values, n, memory=r.memory_bytes, capacity=r.capacity_bytes)
         except ValueError:  # the model does not fit in memory on n stages
-            candidates.append(candidate(n, list(current_parts), False))
+            out.append(model.candidate(n, list(current_parts), False))
             continue
-        candidates.append(candidate(n, best_parts, True))
-    fitting = [c for c in candidates if c.fits_memory]
+        out.append(model.candidate(n, best_parts, True))
+    return out
 
-    def plan(chosen: PackCandidate, reason: str) -> PackPlan:
-        saving_s = 0.0
-        if chosen is not current:
-            saving_s = steps_left * (
-                current.num_nodes * current.step_time_s - chosen.num_nodes * chosen.step_time_s
-            )
-        overhead_s = restart_overhead_s * current.num_nodes
-        pack = chosen is not current and saving_s > overhead_s
-        if chosen is not current and not pack:
-            reason = (
-                f"keep {num_stages} stages: packing to {chosen.num_stages} would save "
-                f"{saving_s:.4g} node-s over {steps_left} steps <= restart overhead "
-                f"{overhead_s:.4g} node-s"
-            )
-        elif pack:
-            reason += (
-                f"; saves {saving_s:.4g} node-s over {steps_left} steps > restart overhead "
-                f"{overhead_s:.4g} node-s"
-            )
-        return PackPlan(
-            pack=pack,
-            policy=policy,
-            current=current,
-            chosen=chosen if pack else current,
-            candidates=candidates,
-            calibration=calibration,
-            saving_node_s=saving_s if pack or chosen is not current else 0.0,
-            overhead_node_s=overhead_s,
-            reason=reason,
-        )
 
-    if not fitting:
-        why = "no smaller stage count releases a node" if not candidates else "none fits memory"
-        return plan(current, f"keep {num_stages} stages: {why}")
-    if policy == "throughput":
-        floor = (1.0 - max_slowdown) * current.tokens_per_s
-        good = [c for c in fitting if c.tokens_per_s >= floor]
-        if not good:
-            fastest = max(fitting, key=lambda c: c.tokens_per_s)
-            return plan(
-                current,
-                f"keep {num_stages} stages: the best smaller one ({fastest.num_stages} stages, "
-                f"{fastest.tokens_per_s:.4g} tokens/s) is below (1 - {max_slowdown:g}) x "
-                f"{current.tokens_per_s:.4g} tokens/s",
-            )
-        fewest = min(c.num_nodes for c in good)
-        chosen = max(
-            (c for c in good if c.num_nodes == fewest), key=lambda c: (c.tokens_per_s, c.num_stages)
+@dataclass(frozen=True)
+class _Choice:
+    """The chosen candidate (``current`` to keep) and why, before the overhead test."""
+
+    chosen: PackCandidate
+    reason: str
+
+
+def _by_throughput(
+    current: PackCandidate, fitting: list[PackCandidate], max_slowdown: float
+) -> _Choice:
+    """The fewest nodes within ``max_slowdown`` of the current throughput; the fastest of
+    those."""
+    num_stages = current.num_stages
+    floor = (1.0 - max_slowdown) * current.tokens_per_s
+    good = [c for c in fitting if c.tokens_per_s >= floor]
+    if not good:
+        fastest = max(fitting, key=lambda c: c.tokens_per_s)
+        return _Choice(
+            current,
+            f"keep {num_stages} stages: the best smaller one ({fastest.num_stages} stages, "
+            f"{fastest.tokens_per_s:.4g} tokens/s) is below (1 - {max_slowdown:g}) x "
+            f"{current.tokens_per_s:.4g} tokens/s",
         )
-        return plan(
-            chosen,
-            f"pack {num_stages} -> {chosen.num_stages} stages ({current.num_nodes} -> "
-            f"{chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
-            f"(1 - {max_slowdown:g}) x {current.tokens_per_s:.4g}",
-        )
+    fewest = min(c.num_nodes for c in good)
+    chosen = max(
+        (c for c in good if c.num_nodes == fewest), key=lambda c: (c.tokens_per_s, c.num_stages)
+    )
+    return _Choice(
+        chosen,
+        f"pack {num_stages} -> {chosen.num_stages} stages ({current.num_nodes} -> "
+        f"{chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
+        f"(1 - {max_slowdown:g}) x {current.tokens_per_s:.4g}",
+    )
+
+
+def _by_node_hours(current: PackCandidate, fitting: list[PackCandidate]) -> _Choice:
+    """The best tokens per node-hour, if better than the current."""
+    num_stages = current.num_stages
     top = max(fitting, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
     if top.tokens_per_node_hour <= current.tokens_per_node_hour:
-        return plan(
+        return _Choice(
             current,
             f"keep {num_stages} stages: {current.tokens_per_node_hour:.4g} tokens/node-hour is "
             f"the top (next {top.num_stages} stages: {top.tokens_per_node_hour:.4g})",
         )
-    return plan(
+    return _Choice(
         top,
         f"pack {num_stages} -> {top.num_stages} stages: {top.tokens_per_node_hour:.4g} > "
         f"{current.tokens_per_node_hour:.4g} tokens per node-hour",
     )
+
+
+def _choose(
+    current: PackCandidate, candidates: list[PackCandidate], request: PackRequest
+) -> _Choice:
+    """The pack policy's pick among the candidates that fit (``current`` when none does)."""
+    fitting = [c for c in candidates if c.fits_memory]
+    if not fitting:
+        why = "no smaller stage count releases a node" if not candidates else "none fits memory"
+        return _Choice(current, f"keep {current.num_stages} stages: {why}")
+    if request.pack_policy == "throughput":
+        return _by_throughput(current, fitting, request.max_slowdown)
+    return _by_node_hours(current, fitting)
+
+
+def _pays(
+    choice: _Choice,
+    current: PackCandidate,
+    candidates: list[PackCandidate],
+    calibration: float,
+    request: PackRequest,
+) -> PackPlan:
+    """The plan: pack onto the choice only if the node-seconds it saves over the steps left
+    beat the restart overhead paid on the nodes held now."""
+    chosen, reason, steps_left = choice.chosen, choice.reason, request.steps_left
+    saving_s = 0.0
+    if chosen is not current:
+        saving_s = steps_left * (
+            current.num_nodes * current.step_time_s - chosen.num_nodes * chosen.step_time_s
+        )
+    overhead_s = request.restart_overhead_s * current.num_nodes
+    pack = chosen is not current and saving_s > overhead_s
+    if chosen is not current and not pack:
+        reason = (
+            f"keep {current.num_stages} stages: packing to {chosen.num_stages} would save "
+            f"{saving_s:.4g} node-s over {steps_left} steps <= restart overhead "
+            f"{overhead_s:.4g} node-s"
+        )
+    elif pack:
+        reason += (
+            f"; saves {saving_s:.4g} node-s over {steps_left} steps > restart overhead "
+            f"{overhead_s:.4g} node-s"
+        )
+    return PackPlan(
+        pack=pack,
+        pack_policy=request.pack_policy,
+        current=current,
+        chosen=chosen if pack else current,
+        candidates=candidates,
+        calibration=calibration,
+        saving_node_s=saving_s if pack or chosen is not current else 0.0,
+        overhead_node_s=overhead_s,
+        reason=reason,
+    )
+
+
+def plan_pack(costs_s: CostsLike, parts: Sequence[int], request: PackRequest) -> PackPlan:
+    """Whether to pack ``parts`` onto fewer stages (see the module docstring).
+
+    ``costs_s``: smoothed seconds per layer per step; ``parts``: the partition in force;
+    ``request``: the step's shape, the allocation, the pack policy and the measurements.
+
+    Example: one heavy layer sets the pace; 3 stages are as fast as 4 and free a node::
+
+        plan_pack([1, 1, 1, 6, 1, 1, 1], [0, 2, 3, 4, 7], PackRequest(num_microbatches=8,
+                  tokens_per_step=1000, ranks_per_node=1, steps_left=100,
+                  restart_overhead_s=5)).chosen.num_stages == 3
+    """
+    values = check_values(costs_s)
+    current_parts = check_parts(parts, len(values))
+    request.check()
+    model = _calibrated_model(values, current_parts, request)
+    current = model.candidate(len(current_parts) - 1, current_parts, True)
+    candidates = _smaller_candidates(model, current_parts, current)
+    choice = _choose(current, candidates, request)
+    return _pays(choice, current, candidates, model.calibration, request)

@@ -19,9 +19,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from dynmo_hpc.atomic_io import atomic_write_bytes
+from dynmo_hpc.balance import ALGORITHMS
+from dynmo_hpc.bench.algorithms import PlannedRun
 from dynmo_hpc.bench.measure import RunFigures
-from dynmo_hpc.bench.policies import POLICIES, PlannedRun
-from dynmo_hpc.bench.summary import PolicyRow
+from dynmo_hpc.bench.summary import AlgorithmRow
 
 RUN_COLUMNS = (
     "tokens_per_s",
@@ -38,7 +39,7 @@ RUN_COLUMNS = (
 def write_results_h5(
     path: Path,
     runs: Sequence[tuple[PlannedRun, RunFigures]],
-    rows: Mapping[str, Mapping[str, PolicyRow]],
+    rows: Mapping[str, Mapping[str, AlgorithmRow]],
     attrs: Mapping[str, str | int | float],
 ) -> None:
     """``/runs`` (one entry per run, in the order they ran) and ``/rows`` (medians, min, max)."""
@@ -51,7 +52,8 @@ def write_results_h5(
             group = f.create_group("runs")
             text = h5py.string_dtype()
             group.create_dataset("scheme", data=[r.scheme for r, _ in runs], dtype=text)
-            group.create_dataset("policy", data=[r.policy for r, _ in runs], dtype=text)
+            # "policy": the field's name in results.h5 files already written (the algorithm).
+            group.create_dataset("policy", data=[r.algorithm for r, _ in runs], dtype=text)
             group.create_dataset("repeat", data=np.array([r.repeat for r, _ in runs]))
             for column in RUN_COLUMNS:
                 values = [float(getattr(fig, column)) for _, fig in runs]
@@ -60,9 +62,9 @@ def write_results_h5(
             for planned, fig in runs:
                 losses.create_dataset(planned.name, data=np.array(fig.losses, dtype=np.float64))
             table = f.create_group("rows")
-            flat = [row for by_policy in rows.values() for row in by_policy.values()]
+            flat = [row for by_algorithm in rows.values() for row in by_algorithm.values()]
             table.create_dataset("scheme", data=[r.scheme for r in flat], dtype=text)
-            table.create_dataset("policy", data=[r.policy for r in flat], dtype=text)
+            table.create_dataset("policy", data=[r.algorithm for r in flat], dtype=text)
             for field in ("tokens_per_s", "train_s", "wall_s", "efficiency", "migration_s"):
                 for stat in ("median", "low", "high"):
                     values = [getattr(getattr(r, field), stat) for r in flat]
@@ -73,21 +75,21 @@ def write_results_h5(
         raise
 
 
-def write_chart(path: Path, rows: Mapping[str, Mapping[str, PolicyRow]]) -> None:
-    """A grouped bar chart: tokens/s per scheme, one bar per policy, min-max as error bars."""
+def write_chart(path: Path, rows: Mapping[str, Mapping[str, AlgorithmRow]]) -> None:
+    """A grouped bar chart: tokens/s per scheme, one bar per algorithm, min-max as error bars."""
     schemes = list(rows)
-    policies = [p for p in POLICIES if any(p in by_policy for by_policy in rows.values())]
+    algorithms = [p for p in ALGORITHMS if any(p in by_algorithm for by_algorithm in rows.values())]
     figure = Figure(figsize=(max(6.0, 1.4 * len(schemes) + 2.0), 4.0))
     FigureCanvasAgg(figure)
     ax = figure.add_subplot(1, 1, 1)
-    width = 0.8 / max(1, len(policies))
-    for k, policy in enumerate(policies):
+    width = 0.8 / max(1, len(algorithms))
+    for k, algorithm in enumerate(algorithms):
         xs, medians, errors_low, errors_high = [], [], [], []
         for i, scheme in enumerate(schemes):
-            row = rows[scheme].get(policy)
+            row = rows[scheme].get(algorithm)
             if row is None:
                 continue
-            xs.append(i + (k - (len(policies) - 1) / 2) * width)
+            xs.append(i + (k - (len(algorithms) - 1) / 2) * width)
             medians.append(row.tokens_per_s.median)
             errors_low.append(row.tokens_per_s.median - row.tokens_per_s.low)
             errors_high.append(row.tokens_per_s.high - row.tokens_per_s.median)
@@ -97,12 +99,12 @@ def write_chart(path: Path, rows: Mapping[str, Mapping[str, PolicyRow]]) -> None
             width,
             yerr=[errors_low, errors_high],
             capsize=2,
-            label=POLICIES[policy].label,
+            label=ALGORITHMS[algorithm].label,
         )
     ax.set_xticks(range(len(schemes)))
     ax.set_xticklabels(schemes, rotation=20)
     ax.set_ylabel("tokens/s (median, min-max)")
-    ax.set_title("dynmo-hpc bench: throughput per scheme and policy")
+    ax.set_title("dynmo-hpc bench: throughput per scheme and algorithm")
     ax.legend(fontsize="small")
     figure.tight_layout()
     buffer = io.BytesIO()

@@ -1,7 +1,7 @@
-"""Repeats into one row per (scheme, policy), the same-model check, and the results table.
+"""Repeats into one row per (scheme, algorithm), the same-model check, and the results table.
 
-Why medians with min and max: on a shared machine one slow repeat is noise, not a property of a
-policy. The median resists it, and the min-max range says how far to trust a difference: a
+Why medians with min and max: on a shared machine one slow repeat is noise, not a property of an
+algorithm. The median resists it, and the min-max range says how far to trust a difference: a
 speedup inside the spread of repeats is no speedup.
 """
 
@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynmo_hpc.balance import ALGORITHMS
+from dynmo_hpc.balance.registry import rebalancing, static_baselines
 from dynmo_hpc.bench.measure import RunFigures
-from dynmo_hpc.bench.policies import DYNAMIC, POLICIES, STATIC
 from dynmo_hpc.errors import DynmoError
 
 
 class LossMismatchError(DynmoError):
-    """Two policies trained different models: a bench comparing them would compare nothing."""
+    """Two algorithms trained different models: a bench comparing them would compare nothing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,11 +40,11 @@ class Spread:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolicyRow:
-    """One (scheme, policy) over its repeats."""
+class AlgorithmRow:
+    """One (scheme, algorithm) over its repeats."""
 
     scheme: str
-    policy: str
+    algorithm: str
     repeats: int
     tokens_per_s: Spread
     train_s: Spread
@@ -54,11 +55,11 @@ class PolicyRow:
     final_loss: float
 
 
-def summarize(scheme: str, policy: str, runs: Sequence[RunFigures]) -> PolicyRow:
-    """One row from the repeats of one (scheme, policy)."""
-    return PolicyRow(
+def summarize(scheme: str, algorithm: str, runs: Sequence[RunFigures]) -> AlgorithmRow:
+    """One row from the repeats of one (scheme, algorithm)."""
+    return AlgorithmRow(
         scheme=scheme,
-        policy=policy,
+        algorithm=algorithm,
         repeats=len(runs),
         tokens_per_s=Spread.of([r.tokens_per_s for r in runs]),
         train_s=Spread.of([r.train_s for r in runs]),
@@ -70,48 +71,48 @@ def summarize(scheme: str, policy: str, runs: Sequence[RunFigures]) -> PolicyRow
     )
 
 
-def max_loss_difference(losses_by_policy: Mapping[str, Sequence[float]]) -> float:
-    """Largest relative difference, over steps, between any policy's loss and the first's."""
-    items = list(losses_by_policy.items())
+def max_loss_difference(losses_by_algorithm: Mapping[str, Sequence[float]]) -> float:
+    """Largest relative difference, over steps, between any algorithm's loss and the first's."""
+    items = list(losses_by_algorithm.items())
     if len(items) < 2:
         return 0.0
     _, reference = items[0]
     worst = 0.0
-    for policy, losses in items[1:]:
+    for algorithm, losses in items[1:]:
         if len(losses) != len(reference):
             raise LossMismatchError(
-                f"policy {policy} logged {len(losses)} steps but {items[0][0]} logged "
+                f"algorithm {algorithm} logged {len(losses)} steps but {items[0][0]} logged "
                 f"{len(reference)}: the runs did not train the same steps"
             )
         for a, b in zip(reference, losses, strict=True):
             if not (math.isfinite(a) and math.isfinite(b)):
-                raise LossMismatchError(f"policy {policy}: a non-finite loss ({a}, {b})")
+                raise LossMismatchError(f"algorithm {algorithm}: a non-finite loss ({a}, {b})")
             worst = max(worst, abs(a - b) / max(abs(a), 1e-12))
     return worst
 
 
 def check_same_losses(
-    scheme: str, repeat: int, losses_by_policy: Mapping[str, Sequence[float]], rel_tol: float
+    scheme: str, repeat: int, losses_by_algorithm: Mapping[str, Sequence[float]], rel_tol: float
 ) -> float:
-    """Raise :class:`LossMismatchError` unless every policy's per-step losses agree within
+    """Raise :class:`LossMismatchError` unless every algorithm's per-step losses agree within
     ``rel_tol``; returns the largest relative difference.
 
-    Every policy trains the same layers on the same data in the same order; only which rank
+    Every algorithm trains the same layers on the same data in the same order; only which rank
     computes a layer differs. So the losses must agree to rounding, and a bigger difference means
-    a policy changed the math (a lost optimizer state, a layer out of order), not the speed.
+    an algorithm changed the math (a lost optimizer state, a layer out of order), not the speed.
     """
-    worst = max_loss_difference(losses_by_policy)
+    worst = max_loss_difference(losses_by_algorithm)
     if worst > rel_tol:
         raise LossMismatchError(
-            f"{scheme}, repeat {repeat}: the policies' losses differ by {worst:.3g} (relative), "
-            f"over the tolerance {rel_tol:g}: {', '.join(losses_by_policy)} did not train the "
+            f"{scheme}, repeat {repeat}: the algorithms' losses differ by {worst:.3g} (relative), "
+            f"over the tolerance {rel_tol:g}: {', '.join(losses_by_algorithm)} did not train the "
             "same model; look at the runs' run.h5 'steps' tables to find the first step that "
             "differs"
         )
     return worst
 
 
-def speedup(rows: Mapping[str, PolicyRow], fast: str, slow: str) -> Spread | None:
+def speedup(rows: Mapping[str, AlgorithmRow], fast: str, slow: str) -> Spread | None:
     """Throughput of ``fast`` over ``slow``: median over median, and the pessimistic and
     optimistic ends (min over max, max over min)."""
     if fast not in rows or slow not in rows:
@@ -126,13 +127,15 @@ def _fmt(spread: Spread, digits: int = 0, scale: float = 1.0) -> str:
 
 
 def render_markdown(
-    rows: Mapping[str, Mapping[str, PolicyRow]],
+    rows: Mapping[str, Mapping[str, AlgorithmRow]],
     loss_differences: Mapping[str, float],
     *,
     command: str,
     setting: str,
 ) -> str:
-    """The ``results.md`` text: one table of policies, one of speedups."""
+    """The ``results.md`` text: one table of algorithms, one of speedups (each rebalancing
+    algorithm over each static baseline)."""
+    dynamic, static = rebalancing(), static_baselines()
     lines = [
         "# dynmo-hpc bench",
         "",
@@ -145,13 +148,13 @@ def render_markdown(
         "ideal from the run's own measured layer costs, (M + P - 1) / M x max(total / P, heaviest "
         "layer).",
         "",
-        "| scheme | policy | tokens/s | train s | wall s | efficiency | moves | migration s |",
+        "| scheme | algorithm | tokens/s | train s | wall s | efficiency | moves | migration s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for scheme, by_policy in rows.items():
-        for policy, row in by_policy.items():
+    for scheme, by_algorithm in rows.items():
+        for algorithm, row in by_algorithm.items():
             lines.append(
-                f"| {scheme} | {POLICIES[policy].label} | {_fmt(row.tokens_per_s)} | "
+                f"| {scheme} | {ALGORITHMS[algorithm].label} | {_fmt(row.tokens_per_s)} | "
                 f"{_fmt(row.train_s, 1)} | {_fmt(row.wall_s, 1)} | {_fmt(row.efficiency, 2)} | "
                 f"{_fmt(row.num_moves)} | {_fmt(row.migration_s, 3)} |"
             )
@@ -160,15 +163,15 @@ def render_markdown(
         "Speedup in tokens/s: median / median (pessimistic min/max - optimistic max/min).",
         "",
         "| scheme | "
-        + " | ".join(f"{d} / {s}" for d in DYNAMIC for s in STATIC)
+        + " | ".join(f"{d} / {s}" for d in dynamic for s in static)
         + " | max loss diff |",
-        "| --- | " + " | ".join("---" for _ in DYNAMIC for _ in STATIC) + " | --- |",
+        "| --- | " + " | ".join("---" for _ in dynamic for _ in static) + " | --- |",
     ]
-    for scheme, by_policy in rows.items():
+    for scheme, by_algorithm in rows.items():
         cells = []
-        for d in DYNAMIC:
-            for s in STATIC:
-                ratio = speedup(by_policy, d, s)
+        for d in dynamic:
+            for s in static:
+                ratio = speedup(by_algorithm, d, s)
                 cells.append("-" if ratio is None else _fmt(ratio, 2))
         lines.append(
             f"| {scheme} | {' | '.join(cells)} | {loss_differences.get(scheme, 0.0):.2g} |"

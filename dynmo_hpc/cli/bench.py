@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.balance import ALGORITHMS
+from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
-from dynmo_hpc.bench.policies import POLICIES, PlannedRun, policy_overrides, run_order
 from dynmo_hpc.bench.summary import (
-    PolicyRow,
+    AlgorithmRow,
     check_same_losses,
     max_loss_difference,
     render_markdown,
@@ -93,9 +94,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--policies",
-        type=_names(list(POLICIES)),
-        default=list(POLICIES),
-        help=f"comma-separated, from {','.join(POLICIES)} (default: all four)",
+        type=_names(list(ALGORITHMS)),
+        default=list(ALGORITHMS),
+        help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="train.steps for every run (default: the job's)"
@@ -192,10 +193,10 @@ def _write_results(
 ) -> tuple[str, DynmoError | None]:
     """Summarize the runs done so far and (re)write the three files; returns the table text and
     the first loss mismatch, if any (compared over the policies each repeat has finished)."""
-    rows: dict[str, dict[str, PolicyRow]] = {}
+    rows: dict[str, dict[str, AlgorithmRow]] = {}
     for scheme in args.schemes:
         for policy in args.policies:
-            runs = [f for p, f in done if p.scheme == scheme and p.policy == policy]
+            runs = [f for p, f in done if p.scheme == scheme and p.algorithm == policy]
             if runs:
                 rows.setdefault(scheme, {})[policy] = summarize(scheme, policy, runs)
     differences: dict[str, float] = {}
@@ -203,7 +204,7 @@ def _write_results(
     for scheme in rows:
         for repeat in range(args.repeats):
             losses = {
-                p.policy: f.losses for p, f in done if p.scheme == scheme and p.repeat == repeat
+                p.algorithm: f.losses for p, f in done if p.scheme == scheme and p.repeat == repeat
             }
             worst = max_loss_difference(losses)
             try:
@@ -250,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     for k, planned in enumerate(order):
         cfg0 = base[planned.scheme]
-        sets = policy_overrides(planned.policy, cfg0.pipeline.num_stages, params[planned.scheme])
+        sets = algorithm_overrides(
+            planned.algorithm, cfg0.pipeline.num_stages, params[planned.scheme]
+        )
         cfg = _config(args, planned.scheme, [*sets, f"job.name={planned.name}"])
         figures = _train(planned, cfg)
         done.append((planned, figures))

@@ -17,9 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from dynmo_hpc.balance import ALGORITHMS, optimal_bottleneck, partition, plan_moves, stage_loads
+from dynmo_hpc.balance import (
+    ALGORITHMS,
+    algorithm_options,
+    optimal_bottleneck,
+    partition,
+    plan_moves,
+    stage_loads,
+)
 from dynmo_hpc.cli.errors import error_line
 
 
@@ -42,6 +50,23 @@ def _ints(text: str) -> list[int]:
         ) from None
 
 
+OPTION_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("--capacity", float, "bytes per stage (needs --memory)"),
+    ("--memory", _floats, "memory_bytes per layer, e.g. 4e9,4e9,8e9"),
+    ("--params", _floats, "parameter counts per layer"),
+    ("--current", _ints, "partition in use, e.g. 0,3,6 (kept if nothing is better)"),
+    ("--max-rounds", int, "cap on rounds (default: none)"),
+)
+"""The algorithm options the command line can give: flag, parser, help. Each is passed only
+when given, under its keyword name (``--max-rounds`` -> ``max_rounds``)."""
+
+
+def _takers(option: str) -> str:
+    """The algorithms whose function takes keyword ``option``, for the help text."""
+    names = [name for name in ALGORITHMS if option in algorithm_options(name)]
+    return ", ".join(names) or "none"
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Register ``plan`` on ``subparsers``; the parsed args carry ``func=run``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -54,13 +79,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
     p.add_argument(
-        "--algorithm", choices=list(ALGORITHMS), default="optimal", help="default: optimal"
+        "--algorithm",
+        choices=list(ALGORITHMS),
+        default="optimal",
+        help="; ".join(f"{name}: {entry.label}" for name, entry in ALGORITHMS.items())
+        + " (default: optimal)",
     )
-    p.add_argument("--capacity", type=float, help="bytes per stage (needs --memory)")
-    p.add_argument("--memory", type=_floats, help="bytes per layer, e.g. 4e9,4e9,8e9")
-    p.add_argument("--params", type=_floats, help="parameter counts per layer (for 'parameters')")
-    p.add_argument("--current", type=_ints, help="partition in use, e.g. 0,3,6 (kept if optimal)")
-    p.add_argument("--max-rounds", type=int, help="cap on diffusion rounds (default: none)")
+    for flag, kind, text in OPTION_FLAGS:
+        option = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, help=f"{text} (taken by: {_takers(option)})")
     p.set_defaults(func=run)
     return p
 
@@ -68,7 +95,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Only the options the user gave, so ``partition`` can reject those an algorithm lacks."""
     options: dict[str, Any] = {}
-    for key in ("capacity", "memory", "params", "current", "max_rounds"):
+    for flag, _, _ in OPTION_FLAGS:
+        key = flag[2:].replace("-", "_")
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value

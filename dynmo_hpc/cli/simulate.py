@@ -1,10 +1,11 @@
-"""``dynmo-hpc simulate``: how fast would each balancing policy have run this cost history?
+"""``dynmo-hpc simulate``: how fast would each balancing algorithm have run this cost history?
 
 Why a subcommand: comparing Megatron's uniform split, DeepSpeed's parameter split and the
 dynamic balancers on a run's measured layer costs, or on a made-up cost vector, at a stage count
 no machine here has, should take seconds and no cluster. This module parses, builds the cost
 reports (from a run log or from ``--costs``), calls :func:`dynmo_hpc.sim.replay.replay` once
-per policy and prints the result; the model lives in :mod:`dynmo_hpc.sim`.
+per algorithm (:func:`~dynmo_hpc.sim.replay.replay_algorithms`: the registry's, and ``packing``)
+and prints the result; the model lives in :mod:`dynmo_hpc.sim`.
 
 Example::
 
@@ -21,7 +22,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,13 @@ from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
 from dynmo_hpc.sim.machine import MachineModel, load_machine
-from dynmo_hpc.sim.replay import POLICIES, CostReport, PackingSetup, ReplaySetup, replay
+from dynmo_hpc.sim.replay import (
+    CostReport,
+    PackingSetup,
+    ReplaySetup,
+    replay,
+    replay_algorithms,
+)
 from dynmo_hpc.sim.step import transfer_time_s
 
 log = logging.getLogger(__name__)
@@ -49,12 +56,13 @@ COSTS_STEPS_PER_INTERVAL = 10
 first decision matters; more would only take longer)."""
 
 
-def _policies(text: str) -> list[str]:
+def _algorithms(text: str) -> list[str]:
     names = [item.strip() for item in text.split(",") if item.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    choices = replay_algorithms()
+    unknown = [n for n in names if n not in choices]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {','.join(POLICIES)}"
+            f"unknown algorithm {', '.join(unknown) or '(none)'}; choose from {','.join(choices)}"
         )
     return names
 
@@ -77,12 +85,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``simulate`` on ``subparsers``; the parsed args carry ``func=run``."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
-        help="replay layer costs on a simulated pipeline under each balancing policy",
+        help="replay layer costs on a simulated pipeline under each balancing algorithm",
         description=(
             "Simulate every pipeline step (forward/backward of each microbatch on each stage) "
-            "of a run's load reports, or of a constant cost vector, under each policy."
+            "of a run's load reports, or of a constant cost vector, under each algorithm."
         ),
     )
+    _add_source_and_pipeline(p)
+    _add_link_and_costs(p)
+    _add_machine(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_source_and_pipeline(p: argparse.ArgumentParser) -> None:
+    """The cost source, the pipeline's shape and the algorithms to replay."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from", dest="run_log", type=Path, help="a run log (run.h5 or its dir)")
     source.add_argument(
@@ -93,12 +111,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--schedule", choices=sorted(SCHEDULES), help="default: the run's, or 1f1b")
     p.add_argument("--interval", type=int, help="steps per load report (default: the run's, or 10)")
     p.add_argument("--steps", type=int, help="steps to replay (default: all the run's reports)")
-    p.add_argument(
-        "--policies",
-        type=_policies,
-        default=list(POLICIES),
-        help=f"comma-separated, default {','.join(POLICIES)}",
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--algorithms",
+        type=_algorithms,
+        help=f"comma-separated, default {','.join(replay_algorithms())}",
     )
+    which.add_argument(
+        "--policies",
+        type=_algorithms,
+        dest="deprecated_policies",
+        metavar="ALGORITHMS",
+        help="deprecated name of --algorithms",
+    )
+
+
+def _add_link_and_costs(p: argparse.ArgumentParser) -> None:
+    """The link between stages, the decision margin, and what ``--costs`` cannot say."""
     p.add_argument(
         "--latency-s", type=float, help="per message (default: the machine file's, or 0)"
     )
@@ -133,6 +162,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         help="default: the run's micro_batch_size x seq_len, or 1",
     )
+
+
+def _add_machine(p: argparse.ArgumentParser) -> None:
+    """The calibrated machine: overheads, wall per CPU second, restarts, shared cores."""
     p.add_argument(
         "--machine",
         type=Path,
@@ -149,7 +182,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--restart-overhead-s",
         type=float,
-        help="seconds one resize onto fewer stages stops training, for the packing policy "
+        help="seconds one resize onto fewer stages stops training, for packing "
         "(default: the run's elastic.restart_overhead_s, else its measured resizes' median, "
         "else 10)",
     )
@@ -160,69 +193,89 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "measured --wall-per-cpu keeps only what the sharing does not explain (default: the "
         "machine file's, or a core per stage)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
-    return p
 
 
 def _pick(given: Any, default: Any) -> Any:
     return default if given is None else given
 
 
-def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
-    """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
-    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
+@dataclass(frozen=True)
+class _Source:
+    """What the cost source (a run log or ``--costs``) gives: the reports, the report
+    interval, defaults for the options not given, the smoothing and the packing settings."""
+
+    reports: list[CostReport]
+    interval: int
+    defaults: dict[str, Any]
+    smoothing: float
+    packing: PackingSetup
+
+
+def _from_run_log(args: argparse.Namespace, wall_per_cpu: float | str | None) -> _Source:
+    """``--from RUN``: its load reports and its own settings as the defaults."""
+    from dynmo_hpc.runlog import load
+    from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+
+    path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
+    traces = traces_from_runlog(load(path))
+    reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
+    interval = _pick(args.interval, traces.interval)
+    defaults = {
+        "stages": traces.num_stages,
+        "microbatches": traces.num_microbatches,
+        "schedule": traces.schedule,
+        "margin": traces.margin,
+        "activation_bytes": traces.activation_bytes,
+        "tokens_per_microbatch": traces.tokens_per_microbatch,
+        "steps": interval * len(reports),
+    }
+    return _Source(reports, interval, defaults, traces.smoothing, traces.packing)
+
+
+def _from_costs(args: argparse.Namespace, wall_per_cpu: float | str | None) -> _Source:
+    """``--costs``: one constant report; ``--stages`` and ``--microbatches`` are required."""
+    if wall_per_cpu in (RUN, RUN_INTERVAL):
+        raise ValueError(
+            f"--wall-per-cpu {wall_per_cpu} needs --from; HINT: give a number with --costs"
+        )
+    reports = _with_wall_per_cpu([_constant_report(args)], wall_per_cpu, [])
+    interval = _pick(args.interval, 10)
+    missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(
+            f"--costs needs {' and '.join(missing)}; HINT: e.g. --stages 2 --microbatches 8"
+        )
+    defaults = {
+        "schedule": "1f1b",
+        "margin": 0.1,
+        "activation_bytes": 0.0,
+        "tokens_per_microbatch": 1,
+        "steps": COSTS_STEPS_PER_INTERVAL * interval,
+    }
+    return _Source(reports, interval, defaults, 0.5, PackingSetup())
+
+
+def _link(args: argparse.Namespace, machine: MachineModel) -> tuple[float, float]:
+    """Bandwidth (bytes/s) and latency (s): the options, else the machine file, else defaults."""
     if args.bandwidth_bytes_per_s is not None:
         bandwidth = float(args.bandwidth_bytes_per_s)
     elif args.bandwidth_gbps is not None:
         bandwidth = args.bandwidth_gbps * 1e9 / 8
     else:
         bandwidth = _pick(machine.bandwidth_bytes_per_s, DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
-    latency_s = _pick(args.latency_s, _pick(machine.latency_s, 0.0))
-    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
-    if args.run_log is not None:
-        from dynmo_hpc.runlog import load
-        from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+    return bandwidth, _pick(args.latency_s, _pick(machine.latency_s, 0.0))
 
-        path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
-        traces = traces_from_runlog(load(path))
-        reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
-        interval = _pick(args.interval, traces.interval)
-        defaults = {
-            "stages": traces.num_stages,
-            "microbatches": traces.num_microbatches,
-            "schedule": traces.schedule,
-            "margin": traces.margin,
-            "activation_bytes": traces.activation_bytes,
-            "tokens_per_microbatch": traces.tokens_per_microbatch,
-            "steps": interval * len(reports),
-        }
-        smoothing = traces.smoothing
-        packing = traces.packing
-    else:
-        if wall_per_cpu in (RUN, RUN_INTERVAL):
-            raise ValueError(
-                f"--wall-per-cpu {wall_per_cpu} needs --from; HINT: give a number with --costs"
-            )
-        reports = _with_wall_per_cpu([_constant_report(args)], wall_per_cpu, [])
-        interval = _pick(args.interval, 10)
-        missing = [f"--{n}" for n in ("stages", "microbatches") if getattr(args, n) is None]
-        if missing:
-            raise ValueError(
-                f"--costs needs {' and '.join(missing)}; HINT: e.g. --stages 2 --microbatches 8"
-            )
-        defaults = {
-            "schedule": "1f1b",
-            "margin": 0.1,
-            "activation_bytes": 0.0,
-            "tokens_per_microbatch": 1,
-            "steps": COSTS_STEPS_PER_INTERVAL * interval,
-        }
-        smoothing = 0.5
-        packing = PackingSetup()
+
+def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
+    """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
+    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
+    bandwidth, latency_s = _link(args, machine)
+    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
+    source = (_from_run_log if args.run_log is not None else _from_costs)(args, wall_per_cpu)
+    packing = source.packing
     if args.restart_overhead_s is not None:
         packing = replace(packing, restart_overhead_s=args.restart_overhead_s)
-    value = {key: _pick(getattr(args, key), default) for key, default in defaults.items()}
+    value = {key: _pick(getattr(args, key), default) for key, default in source.defaults.items()}
     stages = _pick(args.stages, value.get("stages"))
     microbatches = _pick(args.microbatches, value.get("microbatches"))
     if value["tokens_per_microbatch"] < 1:
@@ -232,19 +285,19 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         num_stages=stages,
         num_microbatches=microbatches,
         schedule=value["schedule"],
-        interval=interval,
+        interval=source.interval,
         num_steps=value["steps"],
         comm_s=comm_s if stages > 1 else 0.0,
         bandwidth_bytes_per_s=bandwidth,
         margin=value["margin"],
-        smoothing=smoothing,
+        smoothing=source.smoothing,
         overheads=machine.overheads,
         cores=_pick(args.cores, machine.cores),
         poll_max_s=_pick(machine.poll_max_s, 0.0),
         packing=packing,
     )
     setup.check()
-    return reports, setup, int(value["tokens_per_microbatch"])
+    return source.reports, setup, int(value["tokens_per_microbatch"])
 
 
 def _with_wall_per_cpu(
@@ -295,7 +348,7 @@ def _constant_report(args: argparse.Namespace) -> CostReport:
     return report
 
 
-def _progress(policy: str) -> Any:
+def _progress(algorithm: str) -> Any:
     """A callback that logs at most every :data:`PROGRESS_EVERY_S` seconds."""
     started = last = time.monotonic()
 
@@ -304,16 +357,26 @@ def _progress(policy: str) -> Any:
         now = time.monotonic()
         if now - last >= PROGRESS_EVERY_S:
             last = now
-            log.info("simulate %s: step %d/%d (%.0f s)", policy, done, total, now - started)
+            log.info("simulate %s: step %d/%d (%.0f s)", algorithm, done, total, now - started)
 
     return report
 
 
+def _chosen_algorithms(args: argparse.Namespace) -> list[str]:
+    """``--algorithms``, else the deprecated ``--policies`` (with a warning), else all."""
+    if args.algorithms is not None:
+        return list(args.algorithms)
+    if args.deprecated_policies is not None:
+        log.warning("--policies is deprecated; use --algorithms (the same list)")
+        return list(args.deprecated_policies)
+    return list(replay_algorithms())
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the per-policy results; a bad input is one ``error:`` line and exit 2."""
+    """Print the per-algorithm results; a bad input is one ``error:`` line and exit 2."""
     try:
         reports, setup, tokens_per_microbatch = _inputs(args)
-        results = {p: replay(reports, setup, p, _progress(p)) for p in args.policies}
+        results = {a: replay(reports, setup, a, _progress(a)) for a in _chosen_algorithms(args)}
     except (DynmoError, FileNotFoundError, ValueError) as exc:
         print(error_line(exc, HINT), file=sys.stderr)
         return 2
@@ -333,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         f"{setup.num_steps} steps, load report every {setup.interval}"
     )
     print(
-        f"{'policy':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
+        f"{'algorithm':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
         f"{'stages':>8}{'node_s':>12}"
     )
     for p, r in results.items():

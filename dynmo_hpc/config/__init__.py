@@ -32,7 +32,6 @@ from dynmo_hpc.config.schemes import (
     every_other_block,
 )
 from dynmo_hpc.config.sections import (
-    BALANCE_ALGORITHMS,
     BalanceSection,
     CheckpointSection,
     DataSection,
@@ -46,7 +45,6 @@ from dynmo_hpc.config.slurm import LAUNCHERS, SlurmSection, mem_mb, sbatch_optio
 from dynmo_hpc.errors import ConfigError
 
 __all__ = [
-    "BALANCE_ALGORITHMS",
     "ELASTIC_POLICIES",
     "FAULT_PHASES",
     "LAUNCHERS",

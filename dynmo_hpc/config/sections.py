@@ -6,11 +6,13 @@ the section's own checks (cross-section checks live in :class:`~dynmo_hpc.config
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dynmo_hpc.balance.registry import check_balance_settings
 from dynmo_hpc.config.bounds import (
     MAX_BATCH,
     MAX_SEED,
@@ -321,17 +323,16 @@ class CheckpointSection:
             )
 
 
-BALANCE_ALGORITHMS = ("static", "uniform", "parameters", "optimal", "diffusion")
-
-
 @dataclass(frozen=True, kw_only=True)
 class BalanceSection:
-    algorithm: Literal["static", "uniform", "parameters", "optimal", "diffusion"] = "optimal"
-    """How rank 0 re-partitions at each load report; ``static`` never moves a layer. ``uniform``,
-    ``parameters`` and ``optimal`` propose their whole partition at once; ``diffusion`` proposes
-    one phase of neighbour re-splits per report (pairs (0,1), (2,3), ... or (1,2), (3,4), ...,
-    alternating), so a layer moves at most one stage per migration and successive reports walk
-    to diffusion's fixed point. Each proposal is enacted only if it pays for its migration."""
+    algorithm: str = "optimal"
+    """How rank 0 re-partitions at each load report: ``static`` (never moves a layer) or a name
+    in :data:`dynmo_hpc.balance.ALGORITHMS`, which also holds each one's settings check.
+    ``uniform``, ``parameters`` and ``optimal`` propose their whole partition at once;
+    ``diffusion`` proposes one phase of neighbour re-splits per report (pairs (0,1), (2,3), ...
+    or (1,2), (3,4), ..., alternating), so a layer moves at most one stage per migration and
+    successive reports walk to diffusion's fixed point. Each proposal is enacted only if it pays
+    for its migration."""
     interval: int = 5
     """Steps between load reports (per-layer costs gathered to rank 0, run log flushed) and
     balancing decisions."""
@@ -347,6 +348,10 @@ class BalanceSection:
     """Testing: at every report, migrate to a different valid partition regardless of gain."""
 
     def validate(self) -> None:
+        try:
+            check_balance_settings(dataclasses.asdict(self))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.interval < 1:
             raise ConfigError(f"balance.interval={self.interval} must be >= 1")
         if not 0.0 < self.smoothing <= 1.0:

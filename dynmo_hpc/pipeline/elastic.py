@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dynmo_hpc.balance.packing import PackPlan, plan_pack
+from dynmo_hpc.balance.packing import PackPlan, PackRequest, plan_pack
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline.costs import LoadReport
 
@@ -118,15 +118,13 @@ def decide_pack(
 ) -> PackPlan:
     """The packing decision for this report (rank 0)."""
     el = cfg.elastic
-    return plan_pack(
-        list(costs_s),
-        list(parts),
+    request = PackRequest(
         num_microbatches=cfg.train.num_microbatches,
         tokens_per_step=float(cfg.tokens_per_step),
         ranks_per_node=shape.ranks_per_node,
         steps_left=steps_left,
         restart_overhead_s=overhead_s,
-        policy=el.policy,
+        pack_policy=el.policy,
         max_slowdown=el.max_slowdown,
         min_stages=el.min_stages,
         memory_bytes=layer_memory_bytes(report, parts),
@@ -135,6 +133,7 @@ def decide_pack(
         num_cpu_slots=shape.num_cpu_slots,
         measured_step_s=measured_step_s,
     )
+    return plan_pack(list(costs_s), list(parts), request)
 
 
 class PackController:

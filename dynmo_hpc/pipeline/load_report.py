@@ -181,9 +181,8 @@ class LoadReporting:
             return None  # static, or after the last step: a migration could not pay back
         plan = decide(
             self.cfg.balance,
+            report,
             costs_s=costs_s,
-            num_params=report.num_params,
-            layer_bytes=report.layer_bytes,
             parts=self.parts,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
             report_index=self.num_reports,

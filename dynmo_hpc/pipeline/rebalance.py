@@ -8,15 +8,17 @@ trainer gathers the inputs and broadcasts the answer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 from dynmo_hpc.balance import (
+    ALGORITHMS,
+    STATIC,
+    BalanceState,
     Decision,
-    diffusion_trace,
-    partition,
+    Proposal,
+    propose,
     should_follow,
     should_rebalance,
-    stage_loads,
 )
 from dynmo_hpc.config import BalanceSection
 
@@ -59,53 +61,69 @@ def _keep(parts: list[int], algorithm: str, reason: str) -> Decision:
     )
 
 
-def _diffusion(
+class LayerReport(Protocol):
+    """What the decision reads from a load report: a
+    :class:`~dynmo_hpc.pipeline.costs.LoadReport` (the trainer) or a
+    :class:`~dynmo_hpc.sim.replay.CostReport` (the simulator)."""
+
+    @property
+    def num_params(self) -> list[int]: ...
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """Per layer: bytes that migration moves (weights, gradients, optimizer state)."""
+        ...
+
+
+def _forced(parts: list[int], report_index: int) -> Decision:
+    new = forced_partition(parts, report_index)
+    return Decision(
+        enact=new != parts,
+        old_parts=list(parts),
+        new_parts=new,
+        algorithm="forced",
+        predicted_gain_s=0.0,
+        predicted_migration_s=0.0,
+        reason="balance.force_moves=true",
+    )
+
+
+def _judge(
     balance: BalanceSection,
     costs_s: list[float],
-    layer_bytes: list[int],
-    parts: list[int],
+    report: LayerReport,
+    proposal: Proposal,
     bandwidth_bytes_per_s: float,
-    report_index: int,
     steps: list[int],
 ) -> Decision:
-    """One diffusion phase, judged as the first hop of the path to diffusion's fixed point.
-
-    The parity alternates with the report index (each trace round starts with it, and skips a
-    phase that moves nothing), so successive decisions walk exactly this path, one phase at a
-    time: every layer moves at most one stage per migration.
-    """
-    memory: dict[str, Any] = {}
-    if balance.capacity_bytes is not None:
-        memory = {"memory": layer_bytes, "capacity": balance.capacity_bytes}
-        loads = stage_loads(layer_bytes, parts)
-        stage = max(range(len(loads)), key=loads.__getitem__)
-        if loads[stage] > balance.capacity_bytes:
-            return _keep(
-                parts,
-                "diffusion",
-                f"stage {stage} holds {loads[stage]:.6g} bytes > balance.capacity_bytes="
-                f"{balance.capacity_bytes:.6g}: diffusion never breaks the capacity, nor repairs "
-                "it (balance.algorithm=optimal does)",
-            )
-    path = diffusion_trace(
-        costs_s, len(parts) - 1, current=parts, first_phase=report_index % 2, **memory
-    )
-    return should_follow(
+    """The decision rule on an algorithm's proposal: a path (``propose_path``) is judged hop by
+    hop with :func:`should_follow`, a whole partition with :func:`should_rebalance`."""
+    if ALGORITHMS[balance.algorithm].propose_path is not None:
+        return should_follow(
+            costs_s,
+            proposal.path,
+            layer_bytes=report.layer_bytes,
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            steps_per_hop=steps,
+            margin=balance.margin,
+        )
+    old, candidate = proposal.path[0], proposal.path[-1]
+    return should_rebalance(
         costs_s,
-        path,
-        bytes_per_layer=layer_bytes,
+        old,
+        candidate,
+        layer_bytes=report.layer_bytes,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-        steps_per_hop=steps,
+        steps_until_next_check=steps[0],
         margin=balance.margin,
     )
 
 
 def decide(
     balance: BalanceSection,
+    report: LayerReport,
     *,
     costs_s: list[float],
-    num_params: list[int],
-    layer_bytes: list[int],
     parts: list[int],
     bandwidth_bytes_per_s: float,
     report_index: int,
@@ -113,55 +131,33 @@ def decide(
 ) -> Decision:
     """Plan a new partition with ``balance.algorithm`` and enact it only if it pays.
 
-    ``steps_left``: training steps after this report. The new partition runs until the next
-    decision or the end of training, whichever is first, so that is what its gain is counted
-    over (none left: nothing can pay). ``Decision.parts_to_enact`` is the partition to migrate
-    to, or None to keep ``parts``.
+    ``report``: the load report (parameter counts and bytes per layer); ``costs_s``: its costs
+    smoothed over the reports so far (:class:`~dynmo_hpc.pipeline.costs.CostTracker`), what the
+    algorithm balances. ``steps_left``: training steps after this report. The new partition runs
+    until the next decision or the end of training, whichever is first, so that is what its gain
+    is counted over (none left: nothing can pay). ``Decision.parts_to_enact`` is the partition
+    to migrate to, or None to keep ``parts``. What the algorithm is told and how its proposal is
+    judged come from its :data:`~dynmo_hpc.balance.ALGORITHMS` entry.
     """
-    num_stages = len(parts) - 1
-    if balance.algorithm == "static" or num_stages == 1:
-        return _keep(
-            parts,
-            balance.algorithm,
-            "balance.algorithm=static"
-            if balance.algorithm == "static"
-            else "one stage: nothing to rebalance",
-        )
+    algorithm = balance.algorithm
+    if algorithm == STATIC:
+        return _keep(parts, algorithm, f"balance.algorithm={STATIC}")
+    if len(parts) - 1 == 1:
+        return _keep(parts, algorithm, "one stage: nothing to rebalance")
     steps = hop_steps(balance.interval, steps_left)
     if not steps:
-        return _keep(parts, balance.algorithm, "no steps left: a migration could not pay back")
+        return _keep(parts, algorithm, "no steps left: a migration could not pay back")
     if balance.force_moves:
-        new = forced_partition(parts, report_index)
-        return Decision(
-            enact=new != parts,
-            old_parts=list(parts),
-            new_parts=new,
-            algorithm="forced",
-            predicted_gain_s=0.0,
-            predicted_migration_s=0.0,
-            reason="balance.force_moves=true",
-        )
-    if balance.algorithm == "diffusion":
-        decision = _diffusion(
-            balance, costs_s, layer_bytes, parts, bandwidth_bytes_per_s, report_index, steps
-        )
-        return dataclasses.replace(decision, algorithm=balance.algorithm)
-    options: dict[str, Any] = {}
-    if balance.algorithm == "optimal":
-        options["current"] = parts
-        if balance.capacity_bytes is not None:
-            options["memory"] = layer_bytes
-            options["capacity"] = balance.capacity_bytes
-    if balance.algorithm == "parameters":
-        options["params"] = num_params
-    candidate = partition(costs_s, num_stages, balance.algorithm, **options)
-    decision = should_rebalance(
-        costs_s,
-        parts,
-        candidate,
-        bytes_per_layer=layer_bytes,
-        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-        steps_until_next_check=steps[0],
-        margin=balance.margin,
+        return _forced(parts, report_index)
+    state = BalanceState(
+        parts=list(parts),
+        num_params=report.num_params,
+        layer_bytes=report.layer_bytes,
+        capacity_bytes=balance.capacity_bytes,
+        report_index=report_index,
     )
-    return dataclasses.replace(decision, algorithm=balance.algorithm)
+    proposal = propose(algorithm, costs_s, state)
+    if not proposal.path:
+        return _keep(parts, algorithm, proposal.keep_reason)
+    decision = _judge(balance, costs_s, report, proposal, bandwidth_bytes_per_s, steps)
+    return dataclasses.replace(decision, algorithm=algorithm)

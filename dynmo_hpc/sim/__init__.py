@@ -1,4 +1,4 @@
-"""Offline simulation of pipeline steps and of whole runs under each balancing policy.
+"""Offline simulation of pipeline steps and of whole runs under each balancing algorithm.
 
 Why: whether a dynamic balancer beats a static split depends on the schedule's bubble, the
 communication between stages and the price of migration, not only on the heaviest stage. These
@@ -6,7 +6,7 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
 
 - :mod:`~dynmo_hpc.sim.orders`: each stage's action order, as arrays (the trainer's schedules);
 - :mod:`~dynmo_hpc.sim.step`: one step, action by action;
-- :mod:`~dynmo_hpc.sim.replay`: a run's cost traces replayed under a partitioning policy.
+- :mod:`~dynmo_hpc.sim.replay`: a run's cost traces replayed under a balancing algorithm.
 - :mod:`~dynmo_hpc.sim.machine`: the calibrated terms beyond layer compute (overheads, link,
   wall seconds per CPU second) and their JSON file;
 - :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead

@@ -27,13 +27,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynmo_hpc.balance import ALGORITHMS, INITIAL_ALGORITHM, STATIC
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.machine import Overheads
 from dynmo_hpc.sim.runlog_traces import measured_wall_s_per_cpu_s
 
-#: The replay policy that re-enacts a run's ``balance.algorithm`` (static keeps the trainer's
-#: initial uniform split).
-POLICY_OF_ALGORITHM = {"static": "uniform", "optimal": "optimal", "diffusion": "diffusion"}
+
+def replayed_algorithm(balance_algorithm: str) -> str | None:
+    """What :func:`~dynmo_hpc.sim.replay.replay` re-enacts a run's ``balance.algorithm`` with:
+    ``static`` keeps the trainer's initial split (:data:`~dynmo_hpc.balance.INITIAL_ALGORITHM`),
+    a rebalancing algorithm is itself; None for a static baseline run as the trainer's balancer
+    (the replay would start it at its own split, the trainer does not)."""
+    if balance_algorithm == STATIC:
+        return INITIAL_ALGORITHM
+    entry = ALGORITHMS.get(balance_algorithm)
+    return balance_algorithm if entry is not None and entry.rebalances else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +52,8 @@ class RunDecomposition:
     num_stages: int
     num_microbatches: int
     schedule: str
-    policy: str
-    """The replay policy equivalent to the run's ``balance.algorithm``."""
+    algorithm: str
+    """The replayed algorithm equivalent to the run's ``balance.algorithm``."""
     step_s: float
     """Median measured step (all steps, report steps included)."""
     compute_s: list[float]
@@ -74,26 +82,37 @@ def _interval_of(steps: Sequence[int], report_steps: Sequence[int]) -> list[int]
     return [int(np.searchsorted(np.asarray(report_steps), s)) for s in steps]
 
 
-def decompose(run: RunLog, name: str) -> RunDecomposition:
-    """Split ``run``'s measured steps into layers, waits and the rest, stage by stage."""
-    cfg_pipeline, cfg_train = run.config["pipeline"], run.config["train"]
-    algorithm = str(run.config["balance"]["algorithm"])
-    if algorithm not in POLICY_OF_ALGORITHM:
-        raise ValueError(f"{name}: balance.algorithm={algorithm!r} has no replay policy")
-    report_steps = run.report_steps()
-    if not report_steps:
-        raise ValueError(f"{name}: no load reports")
+def _step_ratios(run: RunLog, report_steps: list[int], name: str) -> dict[int, float]:
+    """Each step's measured wall-per-CPU ratio, by step (ValueError when an interval has no
+    stage times)."""
     per_step = measured_wall_s_per_cpu_s(run, report_steps)
     if any(k is None for k in per_step):
         raise ValueError(f"{name}: a report interval has no stage times")
-    steps = run.steps.set_index("step")["step_time_s"]
     times = run.stage_times
-    step_k: dict[int, float] = {}  # each step's measured ratio, in the order measured gives them
+    step_k: dict[int, float] = {}  # in the order measured_wall_s_per_cpu_s gives them
     previous = -1
     for report_step, ratios in zip(report_steps, per_step, strict=True):
         covered = sorted(int(s) for s in times["step"].unique() if previous < s <= report_step)
         step_k.update(zip(covered, ratios or [], strict=True))
         previous = report_step
+    return step_k
+
+
+def decompose(run: RunLog, name: str) -> RunDecomposition:
+    """Split ``run``'s measured steps into layers, waits and the rest, stage by stage."""
+    cfg_pipeline, cfg_train = run.config["pipeline"], run.config["train"]
+    balance_algorithm = str(run.config["balance"]["algorithm"])
+    algorithm = replayed_algorithm(balance_algorithm)
+    if algorithm is None:
+        raise ValueError(
+            f"{name}: balance.algorithm={balance_algorithm!r} has no replayed equivalent"
+        )
+    report_steps = run.report_steps()
+    if not report_steps:
+        raise ValueError(f"{name}: no load reports")
+    step_k = _step_ratios(run, report_steps, name)
+    steps = run.steps.set_index("step")["step_time_s"]
+    times = run.stage_times
     costs = run.layer_costs
     covering = dict(zip(steps.index, _interval_of(list(steps.index), report_steps), strict=True))
     num_stages = int(cfg_pipeline["num_stages"])
@@ -129,7 +148,7 @@ def decompose(run: RunLog, name: str) -> RunDecomposition:
         num_stages=num_stages,
         num_microbatches=int(cfg_train["num_microbatches"]),
         schedule=str(cfg_pipeline["schedule"]),
-        policy=POLICY_OF_ALGORITHM[algorithm],
+        algorithm=algorithm,
         step_s=float(steps.median()),
         compute_s=compute,
         layer_cpu_s=cpu,

@@ -1,21 +1,21 @@
-"""Replay a training run's measured layer costs under a partitioning policy, step by step.
+"""Replay a training run's measured layer costs under a balancing algorithm, step by step.
 
-Why: a run log records what one policy did with one partition. To ask what Megatron's uniform
+Why: a run log records what one algorithm did with one partition. To ask what Megatron's uniform
 split, DeepSpeed's parameter split or DynMo's dynamic balancers would have done with the *same*
 cost history, the history is replayed: each step's time comes from the event-level simulation
-(:mod:`dynmo_hpc.sim.step`) of the partition in force, and the dynamic policies decide at each
-load report with the trainer's own rule (:func:`dynmo_hpc.pipeline.rebalance.decide`: the
+(:mod:`dynmo_hpc.sim.step`) of the partition in force, and the rebalancing algorithms decide at
+each load report with the trainer's own rule (:func:`dynmo_hpc.pipeline.rebalance.decide`: the
 balancer proposes, :func:`dynmo_hpc.balance.should_rebalance` enacts only if the predicted gain
 until the next report or the end of the run beats the migration time; diffusion moves one phase
 per report).
 
 The timeline: load report ``r`` holds the costs measured over steps ``r * interval`` to
 ``(r + 1) * interval - 1``; those steps are simulated with them. At the end of that interval the
-report is smoothed into the running average (``balance.smoothing``, as the trainer does) and a
-dynamic policy decides; an enacted partition runs from the next step, and the report step pays
-the migration (busiest rank's bytes sent plus received / bandwidth), as the trainer's logged
-step time includes the load report and migration that follow its schedule. Steps past the last
-report keep its costs.
+report is smoothed into the running average (``balance.smoothing``, with the trainer's
+:class:`~dynmo_hpc.pipeline.costs.CostTracker`) and a rebalancing algorithm decides; an enacted
+partition runs from the next step, and the report step pays the migration (busiest rank's bytes
+sent plus received / bandwidth), as the trainer's logged step time includes the load report and
+migration that follow its schedule. Steps past the last report keep its costs.
 
 Calibrated terms (:mod:`dynmo_hpc.sim.machine`, all 0 by default): a report's CPU-second costs
 and the setup's CPU overheads are stretched by the report's wall-per-CPU ratio (one for the
@@ -34,22 +34,25 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dynmo_hpc.balance import partition
+from dynmo_hpc.balance import ALGORITHMS, INITIAL_ALGORITHM, BalanceState, partition
 from dynmo_hpc.balance.common import check_values
-from dynmo_hpc.balance.packing import PACK_POLICIES, nodes_for, plan_pack
+from dynmo_hpc.balance.packing import PACK_POLICIES, PackRequest, nodes_for, plan_pack
 from dynmo_hpc.config import BalanceSection
+from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.machine import Overheads
 from dynmo_hpc.sim.step import simulate_step, stage_times_s
 
-#: Policies that keep the partition they start with.
-STATIC_POLICIES: tuple[str, ...] = ("uniform", "parameters")
-#: Policies that re-partition at load reports.
-DYNAMIC_POLICIES: tuple[str, ...] = ("optimal", "diffusion")
 PACKING = "packing"
-"""``optimal`` plus elastic packing: every ``PackingSetup.interval`` reports, the trainer's packing
-decision (:func:`dynmo_hpc.balance.packing.plan_pack`) may move the model onto fewer stages."""
-POLICIES: tuple[str, ...] = (*STATIC_POLICIES, *DYNAMIC_POLICIES, PACKING)
+"""Not an algorithm: ``optimal`` plus elastic packing. Every ``PackingSetup.interval`` reports,
+the trainer's packing decision (:func:`dynmo_hpc.balance.packing.plan_pack`) may move the model
+onto fewer stages."""
+
+
+def replay_algorithms() -> tuple[str, ...]:
+    """What :func:`replay` accepts: every :data:`~dynmo_hpc.balance.ALGORITHMS` entry, in table
+    order, then :data:`PACKING`."""
+    return (*ALGORITHMS, PACKING)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +62,7 @@ class CostReport:
     forward_s: list[float]
     backward_s: list[float]
     num_params: list[int]
-    """Parameter counts (the ``parameters`` policy's input)."""
+    """Parameter counts (the ``parameters`` algorithm's input)."""
     layer_bytes: list[int]
     """Bytes that travel when the layer migrates (weights, gradients, optimizer state)."""
     wall_s_per_cpu_s: float = 1.0
@@ -86,11 +89,12 @@ class CostReport:
 
 @dataclass(frozen=True, kw_only=True)
 class PackingSetup:
-    """The ``elastic`` settings the ``packing`` policy decides with (``docs/elastic.md``)."""
+    """The ``elastic`` settings :data:`PACKING` decides with (``docs/elastic.md``)."""
 
     interval: int = 2
     """Load reports between packing decisions (``elastic.interval``)."""
-    policy: str = "throughput"
+    pack_policy: str = "throughput"
+    """``elastic.policy``: how the packing decision picks a stage count."""
     max_slowdown: float = 0.1
     min_stages: int = 1
     restart_overhead_s: float = 10.0
@@ -109,8 +113,8 @@ class PackingSetup:
             raise ValueError(
                 f"restart_overhead_s={self.restart_overhead_s!r} must be finite and >= 0"
             )
-        if self.policy not in PACK_POLICIES:
-            raise ValueError(f"packing policy={self.policy!r} is not one of {PACK_POLICIES}")
+        if self.pack_policy not in PACK_POLICIES:
+            raise ValueError(f"packing policy={self.pack_policy!r} is not one of {PACK_POLICIES}")
         if not (math.isfinite(self.max_slowdown) and 0 <= self.max_slowdown < 1):
             raise ValueError(f"max_slowdown={self.max_slowdown!r} must be in [0, 1)")
 
@@ -139,7 +143,7 @@ class ReplaySetup:
     poll_max_s: float = 0.0
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`)."""
     packing: PackingSetup = field(default_factory=PackingSetup)
-    """What the ``packing`` policy decides with."""
+    """What :data:`PACKING` decides with."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -163,10 +167,10 @@ class ReplaySetup:
         self.balance("optimal").validate()
         self.packing.check()
 
-    def balance(self, policy: str) -> BalanceSection:
-        """The ``balance`` section a run with ``policy`` would have had."""
+    def balance(self, algorithm: str) -> BalanceSection:
+        """The ``balance`` section a run with ``algorithm`` would have had."""
         return BalanceSection(
-            algorithm=policy,  # type: ignore[arg-type]  # checked against POLICIES by replay
+            algorithm=algorithm,
             interval=self.interval,
             margin=self.margin,
             smoothing=self.smoothing,
@@ -174,14 +178,15 @@ class ReplaySetup:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolicyResult:
-    """One policy's replayed run."""
+class ReplayResult:
+    """One algorithm's replayed run."""
 
-    policy: str
+    algorithm: str
+    """What was replayed: an algorithm or :data:`PACKING`."""
     step_times_s: list[float] = field(default_factory=list)
     """Per step, simulated seconds, a migration decided at its load report included."""
     migrations: int = 0
-    """Partitions enacted (dynamic policies only)."""
+    """Partitions enacted (rebalancing algorithms only)."""
     migration_s: float = 0.0
     """Seconds spent migrating, over the whole run."""
     packs: int = 0
@@ -199,13 +204,17 @@ class PolicyResult:
         return tokens_per_step * len(self.step_times_s) / sum(self.step_times_s)
 
 
-def _initial_parts(policy: str, report: CostReport, num_stages: int) -> list[int]:
-    """The static splits as their tools compute them; the dynamic policies start where the
-    trainer does without ``pipeline.partition``: Megatron's uniform split."""
+def _initial_parts(algorithm: str, report: CostReport, num_stages: int) -> list[int]:
+    """A static baseline's split as its tool computes it; a rebalancing algorithm (and
+    :data:`PACKING`) starts where the trainer does without ``pipeline.partition``: the split of
+    :data:`~dynmo_hpc.balance.INITIAL_ALGORITHM`."""
     costs = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
-    if policy == "parameters":
-        return partition(costs, num_stages, "parameters", params=report.num_params)
-    return partition(costs, num_stages, "uniform")
+    start = partition(costs, num_stages, INITIAL_ALGORITHM)
+    entry = ALGORITHMS.get(algorithm)
+    if entry is None or entry.rebalances:
+        return start
+    state = BalanceState(parts=start, num_params=report.num_params, layer_bytes=report.layer_bytes)
+    return partition(costs, num_stages, algorithm, **entry.trainer_options(state))
 
 
 def _step_times_s(
@@ -276,21 +285,44 @@ def external_wall_s_per_cpu_s(
     return max(1.0, measured / sharing_ratio(forward_s, backward_s, num_microbatches, setup))
 
 
-def replay(
-    reports: Sequence[CostReport],
-    setup: ReplaySetup,
-    policy: str,
-    progress: Callable[[int, int], None] | None = None,
-) -> PolicyResult:
-    """Replay ``reports`` under ``policy`` (one of :data:`POLICIES`).
+@dataclass
+class _Timeline:
+    """A replay in progress: the partition in force and what the steps so far cost."""
 
-    ``progress(steps_done, num_steps)`` is called after each interval. Raises ValueError on
-    bad input (no reports, more stages than layers, NaN costs, ...).
+    parts: list[int]
+    num_steps: int
+    step_times_s: list[float] = field(default_factory=list)
+    migrations: int = 0
+    migration_s: float = 0.0
+    packs: int = 0
+    node_s: float = 0.0
 
-    Example: constant costs and the uniform policy give ``num_steps`` equal step times.
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    @property
+    def steps_left(self) -> int:
+        return self.num_steps - len(self.step_times_s)
+
+    def charge_report_step(self, seconds: float) -> None:
+        """Add ``seconds`` to the last step: the report step, whose logged time includes the
+        load report and the migration or resize it decided, as in the trainer."""
+        self.step_times_s[-1] += seconds
+
+    def result(self, algorithm: str) -> ReplayResult:
+        return ReplayResult(
+            algorithm=algorithm,
+            step_times_s=self.step_times_s,
+            migrations=self.migrations,
+            migration_s=self.migration_s,
+            packs=self.packs,
+            node_s=self.node_s,
+            final_parts=list(self.parts),
+        )
+
+
+def _check_replay(reports: Sequence[CostReport], setup: ReplaySetup, algorithm: str) -> None:
+    """Raise ValueError on an unknown algorithm, no reports, or reports no run could log."""
+    choices = replay_algorithms()
+    if algorithm not in choices:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(choices)}")
     if not reports:
         raise ValueError("no load reports to replay; the run needs at least one")
     setup.check()
@@ -298,72 +330,102 @@ def replay(
         report.check()
     if len({len(r.forward_s) for r in reports}) != 1:
         raise ValueError("every load report must cover the same layers")
+
+
+def _run_interval(
+    timeline: _Timeline, report: CostReport, measured: bool, setup: ReplaySetup
+) -> None:
+    """Simulate the steps of one report interval on the partition in force. Past the last
+    report (``measured`` False) its costs repeat, at its typical (median) load."""
+    steps = min(setup.interval, timeline.steps_left)
+    per_step = report.step_wall_s_per_cpu_s if measured else []
+    ratios = [per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)]
+    simulated = _step_times_s(report, timeline.parts, setup, ratios)
+    timeline.step_times_s.extend(simulated[k] for k in ratios)
+    num_nodes = nodes_for(len(timeline.parts) - 1, setup.packing.ranks_per_node)
+    timeline.node_s += sum(simulated[k] for k in ratios) * num_nodes
+    # The interval's last step is a report step (the trainer also reports after the last).
+    timeline.charge_report_step(ratios[-1] * setup.overheads.report_s)
+
+
+def _rebalance(
+    timeline: _Timeline,
+    balance: BalanceSection,
+    report: CostReport,
+    costs_s: list[float],
+    report_index: int,
+    setup: ReplaySetup,
+) -> None:
+    """The trainer's decision at this report (:func:`~dynmo_hpc.pipeline.rebalance.decide`);
+    an enacted partition runs from the next step, its predicted migration charged to this one."""
+    decision = decide(
+        balance,
+        report,
+        costs_s=costs_s,
+        parts=timeline.parts,
+        bandwidth_bytes_per_s=setup.bandwidth_bytes_per_s,
+        report_index=report_index,
+        steps_left=timeline.steps_left,
+    )
+    if decision.parts_to_enact is not None:
+        timeline.parts = decision.parts_to_enact
+        timeline.migrations += 1
+        timeline.charge_report_step(decision.predicted_migration_s)
+        timeline.migration_s += decision.predicted_migration_s
+
+
+def _pack(
+    timeline: _Timeline, report: CostReport, costs_s: list[float], setup: ReplaySetup
+) -> None:
+    """The trainer's packing decision at this report; a pack runs from the next step, the
+    restart overhead charged to this one."""
+    pack = _plan_pack(costs_s, timeline.parts, report, setup, timeline.steps_left)
+    if pack is not None:
+        timeline.parts = pack
+        timeline.packs += 1
+        timeline.charge_report_step(setup.packing.restart_overhead_s)
+
+
+def replay(
+    reports: Sequence[CostReport],
+    setup: ReplaySetup,
+    algorithm: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``reports`` under ``algorithm`` (one of :func:`replay_algorithms`).
+
+    Each interval is simulated on the partition in force; then, as in the trainer, the report
+    is smoothed (:class:`~dynmo_hpc.pipeline.costs.CostTracker`) and, while steps are left, a
+    rebalancing algorithm decides (:func:`~dynmo_hpc.pipeline.rebalance.decide`) and
+    :data:`PACKING` may pack (:func:`~dynmo_hpc.balance.packing.plan_pack`).
+    ``progress(steps_done, num_steps)`` is called after each interval. Raises ValueError on bad
+    input (no reports, more stages than layers, NaN costs, ...).
+
+    Example: constant costs and the uniform algorithm give ``num_steps`` equal step times.
+    """
+    _check_replay(reports, setup, algorithm)
     num_steps = setup.num_steps or setup.interval * len(reports)
-    parts = _initial_parts(policy, reports[0], setup.num_stages)
+    parts = _initial_parts(algorithm, reports[0], setup.num_stages)
+    timeline = _Timeline(parts=parts, num_steps=num_steps)
+    packing = algorithm == PACKING
     # Packing rebalances between packs with the trainer's default balancer.
-    balance = setup.balance("optimal" if policy == PACKING else policy)
-    step_times_s: list[float] = []
-    migrations, migration_s, packs, node_s = 0, 0.0, 0, 0.0
-    ranks_per_node = setup.packing.ranks_per_node
-    smoothed: list[float] | None = None
+    balance = setup.balance("optimal" if packing else algorithm)
+    rebalances = packing or ALGORITHMS[algorithm].rebalances
+    tracker = CostTracker(num_layers=len(reports[0].forward_s), smoothing=setup.smoothing)
     report_index = 0
-    while len(step_times_s) < num_steps:
+    while timeline.steps_left > 0:
         report = reports[min(report_index, len(reports) - 1)]
-        steps = min(setup.interval, num_steps - len(step_times_s))
-        # Past the last report its costs repeat, at its typical (median) load.
-        per_step = report.step_wall_s_per_cpu_s if report_index < len(reports) else []
-        ratios = [
-            per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)
-        ]
-        simulated = _step_times_s(report, parts, setup, ratios)
-        step_times_s.extend(simulated[k] for k in ratios)
-        node_s += sum(simulated[k] for k in ratios) * nodes_for(len(parts) - 1, ranks_per_node)
-        # The interval's last step is a report step (the trainer also reports after the last).
-        step_times_s[-1] += ratios[-1] * setup.overheads.report_s
-        latest = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
-        a = setup.smoothing
-        smoothed = (
-            latest
-            if smoothed is None
-            else [a * new + (1 - a) * old for new, old in zip(latest, smoothed, strict=True)]
-        )
-        if policy not in STATIC_POLICIES and len(step_times_s) < num_steps:
-            decision = decide(
-                balance,
-                costs_s=smoothed,
-                num_params=report.num_params,
-                layer_bytes=report.layer_bytes,
-                parts=parts,
-                bandwidth_bytes_per_s=setup.bandwidth_bytes_per_s,
-                report_index=report_index,
-                steps_left=num_steps - len(step_times_s),
-            )
-            if decision.parts_to_enact is not None:
-                parts = decision.parts_to_enact
-                migrations += 1
-                # Charged to the report step, as the trainer logs it (the migration runs inside
-                # the step whose load report decided it).
-                step_times_s[-1] += decision.predicted_migration_s
-                migration_s += decision.predicted_migration_s
+        _run_interval(timeline, report, report_index < len(reports), setup)
+        costs_s = tracker.update(report.forward_s, report.backward_s)
+        if rebalances and timeline.steps_left > 0:
+            _rebalance(timeline, balance, report, costs_s, report_index, setup)
         packing_due = (report_index + 1) % setup.packing.interval == 0
-        if policy == PACKING and packing_due and len(step_times_s) < num_steps:
-            pack = _plan_pack(smoothed, parts, report, setup, num_steps - len(step_times_s))
-            if pack is not None:
-                parts = pack
-                packs += 1
-                step_times_s[-1] += setup.packing.restart_overhead_s
+        if packing and packing_due and timeline.steps_left > 0:
+            _pack(timeline, report, costs_s, setup)
         report_index += 1
         if progress is not None:
-            progress(len(step_times_s), num_steps)
-    return PolicyResult(
-        policy=policy,
-        step_times_s=step_times_s,
-        migrations=migrations,
-        migration_s=migration_s,
-        packs=packs,
-        node_s=node_s,
-        final_parts=list(parts),
-    )
+            progress(len(timeline.step_times_s), num_steps)
+    return timeline.result(algorithm)
 
 
 def _plan_pack(
@@ -381,19 +443,18 @@ def _plan_pack(
     pk = setup.packing
     k = report.wall_s_per_cpu_s
     measured_s = _step_times_s(report, parts, setup, [k])[k]
-    plan = plan_pack(
-        costs_s,
-        parts,
+    request = PackRequest(
         num_microbatches=setup.num_microbatches,
         tokens_per_step=float(setup.num_microbatches),  # only ratios of it matter
         ranks_per_node=pk.ranks_per_node,
         steps_left=steps_left,
         restart_overhead_s=pk.restart_overhead_s,
-        policy=pk.policy,
+        pack_policy=pk.pack_policy,
         max_slowdown=pk.max_slowdown,
         min_stages=pk.min_stages,
         comm_s=setup.comm_s,
         num_cpu_slots=None if setup.cores is None else max(1, int(setup.cores)),
         measured_step_s=measured_s,
     )
+    plan = plan_pack(costs_s, parts, request)
     return list(plan.chosen.parts) if plan.pack else None

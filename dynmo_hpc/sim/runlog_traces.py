@@ -37,7 +37,7 @@ class RunTraces:
     activation_bytes: int
     """One microbatch's activations between stages: batch x sequence x width x 4 bytes."""
     packing: PackingSetup
-    """The run's ``elastic`` settings, for the ``packing`` policy (its default restart
+    """The run's ``elastic`` settings, for the simulator's ``packing`` (its default restart
     overhead where the run measured its own)."""
     step_wall_s_per_cpu_s: list[list[float] | None]
     """Per report, per step of its interval (in order): the step's wall seconds in layers
@@ -151,7 +151,7 @@ def packing_setup(elastic: Any, resize_totals_s: list[float]) -> PackingSetup:
         overhead = statistics.median(resize_totals_s)
     return PackingSetup(
         interval=int(elastic.get("interval", default.interval)),
-        policy=str(elastic.get("policy", default.policy)),
+        pack_policy=str(elastic.get("policy", default.pack_policy)),
         max_slowdown=float(elastic.get("max_slowdown", default.max_slowdown)),
         min_stages=int(elastic.get("min_stages", default.min_stages)),
         restart_overhead_s=default.restart_overhead_s if overhead is None else float(overhead),

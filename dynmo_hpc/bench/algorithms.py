@@ -1,0 +1,76 @@
+"""The runs a bench makes: each algorithm's job overrides, and the interleaved order they go in.
+
+What is compared comes from :data:`dynmo_hpc.balance.ALGORITHMS`: every entry, in its table
+order (the static baselines, then DynMo's balancers), labelled with its ``label``.
+
+Why interleave: this machine is shared, and its speed drifts by tens of percent over minutes.
+Runs of one scheme under each algorithm go back to back, and the order rotates from one repeat
+to the next, so drift and warm-up affect every algorithm alike instead of favouring whichever
+ran in a quiet spell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynmo_hpc.balance import INITIAL_ALGORITHM, STATIC, BalanceState, partition
+from dynmo_hpc.balance.registry import lookup
+
+
+def algorithm_overrides(algorithm: str, num_stages: int, layer_params: Sequence[int]) -> list[str]:
+    """The ``--set`` overrides that make a job run under ``algorithm``.
+
+    A static baseline (``rebalances=False``) fixes its split at the start and never moves a
+    layer (``balance.algorithm=static``); its split is computed from the layers as built, so
+    ``parameters`` balances the parameter counts of experts, pruned widths and all, which is
+    DeepSpeed's default ``partition_method``. :data:`~dynmo_hpc.balance.INITIAL_ALGORITHM`'s
+    split is the trainer's own default (``pipeline.partition=null``). A rebalancing algorithm
+    starts from that default, as a Megatron user would, and re-partitions from measured costs.
+    """
+    entry = lookup(algorithm)
+    if entry.rebalances:
+        return [f"balance.algorithm={algorithm}", "pipeline.partition=null"]
+    if algorithm == INITIAL_ALGORITHM:
+        return [f"balance.algorithm={STATIC}", "pipeline.partition=null"]
+    costs = [1.0] * len(layer_params)
+    state = BalanceState(
+        parts=partition(costs, num_stages, INITIAL_ALGORITHM),
+        num_params=list(layer_params),
+        layer_bytes=[0] * len(layer_params),
+    )
+    parts = partition(costs, num_stages, algorithm, **entry.trainer_options(state))
+    return [f"balance.algorithm={STATIC}", f"pipeline.partition=[{', '.join(map(str, parts))}]"]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One training run of the bench."""
+
+    repeat: int
+    scheme: str
+    algorithm: str
+
+    @property
+    def name(self) -> str:
+        """The run's job name (and run directory name)."""
+        return f"bench_{self.scheme}_{self.algorithm}_r{self.repeat}"
+
+
+def run_order(schemes: Sequence[str], algorithms: Sequence[str], repeats: int) -> list[PlannedRun]:
+    """Every run, interleaved: repeat by repeat, scheme by scheme, the algorithms rotated.
+
+    Example: with algorithms ``a b c d``, repeat 0 runs ``a b c d`` and repeat 1 runs
+    ``b c d a``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    if not schemes or not algorithms:
+        raise ValueError("need at least one scheme and one algorithm")
+    order: list[PlannedRun] = []
+    for repeat in range(repeats):
+        shift = repeat % len(algorithms)
+        rotated = [*algorithms[shift:], *algorithms[:shift]]
+        for scheme in schemes:
+            order.extend(PlannedRun(repeat, scheme, algorithm) for algorithm in rotated)
+    return order
