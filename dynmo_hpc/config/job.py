@@ -99,7 +99,9 @@ class JobConfig:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["schemes"] = self.schemes.to_dict()  # a registry-keyed section, not a dataclass
+        return data
 
     def to_yaml(self) -> str:
         return str(yaml.safe_dump(self.to_dict(), sort_keys=False))
