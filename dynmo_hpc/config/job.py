@@ -99,9 +99,7 @@ class JobConfig:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["schemes"] = self.schemes.to_dict()  # a registry-keyed section, not a dataclass
-        return data
+        return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return str(yaml.safe_dump(self.to_dict(), sort_keys=False))

@@ -80,7 +80,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}={show(value)} must be a mapping")
         return {str(k): _coerce(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
-    if isinstance(tp, type) and (dataclasses.is_dataclass(tp) or hasattr(tp, "field_types")):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping of {tp.__name__} keys")
         return _build(tp, value, f"{key}.", source)
@@ -135,12 +135,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
-    if hasattr(cls, "field_types"):  # a section whose keys come from a registry (schemes)
-        hints = cls.field_types()
-        valid = list(hints)
-    else:
-        hints = typing.get_type_hints(cls)
-        valid = [f.name for f in dataclasses.fields(cls) if f.init]
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():
         if key not in valid:

@@ -370,11 +370,27 @@ def register_section(name: str, section_type: type[Any]) -> None:
     if not dataclasses.is_dataclass(section_type):
         raise ConfigError(f"scheme '{name}': section {section_type!r} must be a dataclass")
     SCHEME_SECTIONS[name] = section_type
+    _describe_fields()
 
 
 def unregister_section(name: str) -> None:
     """Remove a registered scheme's section (tests that register a scheme of their own)."""
     SCHEME_SECTIONS.pop(name, None)
+    _describe_fields()
+
+
+def _describe_fields() -> None:
+    """Give :class:`SchemesSection` the dataclass fields and annotations of the table, so the
+    strict loader, ``dataclasses.asdict`` and ``typing.get_type_hints`` treat it as the
+    dataclass ``{name: Section | None = None, ...}`` of the registered schemes."""
+    shape = dataclasses.make_dataclass(
+        "SchemesSection",
+        [(n, t | None, dataclasses.field(default=None)) for n, t in SCHEME_SECTIONS.items()],
+        frozen=True,
+        kw_only=True,
+    )
+    SchemesSection.__dataclass_fields__ = shape.__dataclass_fields__  # type: ignore[attr-defined]
+    SchemesSection.__annotations__ = {n: t | None for n, t in SCHEME_SECTIONS.items()}
 
 
 class SchemesSection:
@@ -382,8 +398,10 @@ class SchemesSection:
 
     Immutable. ``schemes.<name>`` (or ``schemes["<name>"]``) is that scheme's section, or None
     when the scheme is off; the names are the keys of :data:`SCHEME_SECTIONS`, so a registered
-    scheme is a valid YAML key without any edit here. ``to_dict`` gives every registered name,
-    None for the schemes that are off, as a dataclass section would.
+    scheme is a valid YAML key without any edit here. It presents itself as the frozen
+    dataclass of those names (``dataclasses.fields``, ``asdict`` and ``get_type_hints`` see one
+    ``Section | None`` field per registered scheme), so the strict loader parses ``schemes:``
+    through the table and ``JobConfig.to_dict`` lists every registered name, None when off.
     """
 
     __slots__ = ("_sections",)
@@ -397,11 +415,6 @@ class SchemesSection:
             )
         on = {name: value for name, value in sections.items() if value is not None}
         object.__setattr__(self, "_sections", {n: on[n] for n in SCHEME_SECTIONS if n in on})
-
-    @staticmethod
-    def field_types() -> dict[str, Any]:
-        """Name -> ``Section | None`` of every registered scheme (what the loader checks)."""
-        return {name: section | None for name, section in SCHEME_SECTIONS.items()}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -438,13 +451,6 @@ class SchemesSection:
         """Names of the schemes switched on, in registration order."""
         return list(self._sections)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every registered name -> its section as a dict, or None when off."""
-        return {
-            name: None if name not in self._sections else dataclasses.asdict(self._sections[name])
-            for name in SCHEME_SECTIONS
-        }
-
     def validate(self) -> None:
         for section in self._sections.values():
             section.validate()
@@ -478,3 +484,6 @@ class SchemesSection:
 
 def _rebuild_schemes(sections: dict[str, Any]) -> SchemesSection:
     return SchemesSection(**sections)
+
+
+_describe_fields()
