@@ -421,9 +421,7 @@ class SchemesSection:
             raise AttributeError(name)
         if name in SCHEME_SECTIONS:
             return self._sections.get(name)
-        raise AttributeError(
-            f"no scheme '{name}'; valid schemes are: {', '.join(SCHEME_SECTIONS)}"
-        )
+        raise AttributeError(f"no scheme '{name}'; valid schemes are: {', '.join(SCHEME_SECTIONS)}")
 
     def __getitem__(self, name: str) -> Any:
         return self.__getattr__(name)
@@ -471,9 +469,7 @@ class SchemesSection:
         n = model.num_blocks
         sa, routed = self.sparse_attention, self.mod
         if sa is not None and routed is not None:
-            both = set(routed.layers or every_other_block(n)) & set(
-                sa.layers or range(1, n + 1)
-            )
+            both = set(routed.layers or every_other_block(n)) & set(sa.layers or range(1, n + 1))
             if both:
                 raise ConfigError(
                     f"blocks {sorted(both)} are in both schemes.mod.layers and "

@@ -90,7 +90,9 @@ class Scheme:
         """Re-derive attributes from loaded buffers (e.g. ``requires_grad`` from a flag)."""
 
     # -- step boundaries ---------------------------------------------------------------------
-    def step_end(self, step: int, slots: Sequence[Slot], allgather: AllGather) -> dict[str, Any] | None:
+    def step_end(
+        self, step: int, slots: Sequence[Slot], allgather: AllGather
+    ) -> dict[str, Any] | None:
         """Decide after optimizer step ``step``; returns a run-log event (with ``kind``) or None."""
         return None
 
