@@ -19,14 +19,23 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.cli.bench import scheme_jobs
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload
-from dynmo_hpc.model.schemes import SchemeController, build_layer, register, unregister
+from dynmo_hpc.model.schemes import (
+    BUILTIN_SCHEMES,
+    SCHEMES,
+    SchemeController,
+    build_layer,
+    register,
+    unregister,
+)
 from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.pipeline.reference import train_reference
-from tests.helpers.jobs import tiny_config
+from tests.helpers.jobs import ROOT, tiny_config
+from tests.helpers.local_pipeline import SCHEME_OVERRIDES
 
 STEPS = 3
 
@@ -143,3 +152,15 @@ def test_unregistering_removes_the_scheme(tmp_path):
     unregister("layer_drop")
     with pytest.raises(ConfigError, match=r"unknown key 'schemes\.layer_drop'"):
         tiny_config(tmp_path, "schemes.layer_drop.layers=[1]")
+
+
+def test_every_builtin_scheme_has_a_job_and_test_overrides():
+    """The registry is the list: each built-in scheme has its job (which the bench offers) and
+    the overrides the shared scheme tests run it with."""
+    names = [scheme.name for scheme in BUILTIN_SCHEMES]
+    assert list(SCHEMES) == names and list(config_mod.SCHEME_SECTIONS) == names
+    assert set(SCHEME_OVERRIDES) == set(names)
+    assert list(scheme_jobs()) == ["plain", *names]
+    for name, job in scheme_jobs().items():
+        cfg = config_mod.load(ROOT / "jobs" / job)
+        assert cfg.schemes.enabled == ([] if name == "plain" else [name])

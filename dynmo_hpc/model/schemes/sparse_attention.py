@@ -171,9 +171,9 @@ class SparseAttentionScheme(Scheme):
     def step_end(self, step: int, slots: Sequence[Slot], allgather: AllGather) -> None:
         for slot in slots:
             base = self._base(slot.index)
-            attn = getattr(slot.module, "attn", None)
-            if base is not None and getattr(attn, "density", None) is not None:
-                attn.density.fill_(density_at(self.section, base, step + 1))  # type: ignore[union-attr]
+            density = getattr(getattr(slot.module, "attn", None), "density", None)
+            if base is not None and isinstance(density, torch.Tensor):
+                density.fill_(density_at(self.section, base, step + 1))
         return None
 
     def layer_stats(self, slot: Slot) -> dict[str, float]:
