@@ -105,4 +105,5 @@ def test_frozen_flag_travels_with_the_state_dict(tmp_path):
     controller.resume(
         [Slot(0, restored), Slot(1, restored), Slot(2, build_layer(cfg, 2))], lambda o: [o]
     )
-    assert controller.frozen_prefix_end == 2
+    assert controller.no_grad_below == 2
+    assert controller.run_state()["frozen_prefix_end"] == 2

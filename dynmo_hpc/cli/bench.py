@@ -35,22 +35,18 @@ from dynmo_hpc.bench.summary import (
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
 
 log = logging.getLogger(__name__)
 
-SCHEME_JOBS = {
-    "plain": "default.yaml",
-    "moe": "moe.yaml",
-    "pruning": "pruning.yaml",
-    "freezing": "freezing.yaml",
-    "sparse_attention": "sparse_attention.yaml",
-    "early_exit": "early_exit.yaml",
-    "mod": "mod.yaml",
-}
-"""Bench name -> job file in ``--jobs-dir``; ``plain`` is the model with no scheme."""
+
+def scheme_jobs() -> dict[str, str]:
+    """Bench name -> job file in ``--jobs-dir``: ``plain`` (the model with no scheme, from
+    ``default.yaml``) and ``<name>.yaml`` for every registered scheme, in registration order."""
+    return {"plain": "default.yaml", **{name: f"{name}.yaml" for name in SCHEME_SECTIONS}}
+
 
 BENCH_SETS = [
     "checkpoint.at_end=false",
@@ -88,9 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--schemes",
-        type=_names(list(SCHEME_JOBS)),
-        default=list(SCHEME_JOBS),
-        help=f"comma-separated, from {','.join(SCHEME_JOBS)} (default: all)",
+        type=_names(list(scheme_jobs())),
+        default=list(scheme_jobs()),
+        help=f"comma-separated, from {','.join(scheme_jobs())} (default: all)",
     )
     p.add_argument(
         "--policies",
@@ -126,7 +122,7 @@ def layer_params(cfg: JobConfig) -> list[int]:
 
 
 def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfig:
-    job = args.jobs_dir / SCHEME_JOBS[scheme]
+    job = args.jobs_dir / scheme_jobs()[scheme]
     if not job.is_file():
         raise BenchError(
             f"{job}: no such job file; HINT: run from the repository root, or pass --jobs-dir "
@@ -169,7 +165,7 @@ def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
     ]
     for scheme, cfg in configs.items():
         lines.append(
-            f"- {scheme}: {SCHEME_JOBS[scheme]}, {cfg.model.num_blocks} blocks, "
+            f"- {scheme}: {scheme_jobs()[scheme]}, {cfg.model.num_blocks} blocks, "
             f"{cfg.pipeline.num_stages} stages, {cfg.train.num_microbatches} microbatches, "
             f"{cfg.train.steps} steps, balance interval {cfg.balance.interval}"
         )

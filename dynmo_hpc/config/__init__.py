@@ -22,6 +22,7 @@ from dynmo_hpc.config.loader import (
     set_dotted,
 )
 from dynmo_hpc.config.schemes import (
+    SCHEME_SECTIONS,
     EarlyExitSection,
     FreezingSection,
     MoDSection,
@@ -30,6 +31,8 @@ from dynmo_hpc.config.schemes import (
     SchemesSection,
     SparseAttentionSection,
     every_other_block,
+    register_section,
+    unregister_section,
 )
 from dynmo_hpc.config.sections import (
     BalanceSection,
@@ -48,6 +51,7 @@ __all__ = [
     "ELASTIC_POLICIES",
     "FAULT_PHASES",
     "LAUNCHERS",
+    "SCHEME_SECTIONS",
     "BalanceSection",
     "CheckpointSection",
     "ConfigError",
@@ -75,6 +79,8 @@ __all__ = [
     "load_yaml",
     "mem_mb",
     "parse_override",
+    "register_section",
     "sbatch_option_problems",
     "set_dotted",
+    "unregister_section",
 ]

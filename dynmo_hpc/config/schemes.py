@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from dynmo_hpc.config.bounds import (
     MAX_CAPACITY_FACTOR,
@@ -104,6 +104,9 @@ class MoESection:
             "it would drown the language-model loss; try 0.01",
         )
 
+    def validate_for(self, model: ModelSection) -> None:
+        _check_block_layers("schemes.moe.layers", self.layers, model.num_blocks)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PruningSection:
@@ -159,6 +162,14 @@ class PruningSection:
             )
         at_most("schemes.pruning.end_step", self.end_step, MAX_STEPS, "a step index")
 
+    def validate_for(self, model: ModelSection) -> None:
+        _check_block_layers("schemes.pruning.layers", self.layers, model.num_blocks)
+        if self.min_heads > model.num_heads:
+            raise ConfigError(
+                f"schemes.pruning.min_heads({self.min_heads}) > model.num_heads"
+                f"({model.num_heads}); lower min_heads"
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class FreezingSection:
@@ -190,6 +201,14 @@ class FreezingSection:
         if self.max_frozen_layers is not None and self.max_frozen_layers < 0:
             raise ConfigError(
                 f"schemes.freezing.max_frozen_layers={self.max_frozen_layers} must be >= 0"
+            )
+
+    def validate_for(self, model: ModelSection) -> None:
+        n = model.num_blocks
+        if self.max_frozen_layers is not None and self.max_frozen_layers > n + 1:
+            raise ConfigError(
+                f"schemes.freezing.max_frozen_layers({self.max_frozen_layers}) > "
+                f"model.num_blocks + 1 ({n + 1}); the head never freezes"
             )
 
 
@@ -232,6 +251,20 @@ class SparseAttentionSection:
                 "drift_factor > 0 and 0 <= drift_start_step <= drift_end_step"
             )
 
+    def validate_for(self, model: ModelSection) -> None:
+        _check_block_layers("schemes.sparse_attention.layers", self.layers, model.num_blocks)
+        if model.seq_len % self.block_size:
+            raise ConfigError(
+                f"model.seq_len({model.seq_len}) % schemes.sparse_attention.block_size"
+                f"({self.block_size}) != 0; choose a block size dividing seq_len"
+            )
+        count = _num_selected(self.layers, list(range(1, model.num_blocks + 1)))
+        if self.layer_density is not None and len(self.layer_density) != count:
+            raise ConfigError(
+                f"schemes.sparse_attention.layer_density has {len(self.layer_density)} "
+                f"entries for {count} selected blocks; give one per selected block"
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class EarlyExitSection:
@@ -260,6 +293,9 @@ class EarlyExitSection:
             MAX_LOSS_WEIGHT,
             "it would drown the language-model loss; try 0.1",
         )
+
+    def validate_for(self, model: ModelSection) -> None:
+        _check_block_layers("schemes.early_exit.layers", self.layers, model.num_blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,30 +330,128 @@ class MoDSection:
                 f"{self.anneal_end_step}: need 0 <= anneal_start_step <= anneal_end_step"
             )
 
+    def validate_for(self, model: ModelSection) -> None:
+        _check_block_layers("schemes.mod.layers", self.layers, model.num_blocks)
+        count = _num_selected(self.layers, every_other_block(model.num_blocks))
+        if self.layer_capacity is not None and len(self.layer_capacity) != count:
+            raise ConfigError(
+                f"schemes.mod.layer_capacity has {len(self.layer_capacity)} entries "
+                f"for {count} selected blocks; give one per selected block"
+            )
 
-@dataclass(frozen=True, kw_only=True)
+
+# --------------------------------------------------------------------------------------------
+# The section table and the ``schemes:`` container
+# --------------------------------------------------------------------------------------------
+
+SCHEME_SECTIONS: dict[str, type[Any]] = {
+    "moe": MoESection,
+    "pruning": PruningSection,
+    "freezing": FreezingSection,
+    "sparse_attention": SparseAttentionSection,
+    "early_exit": EarlyExitSection,
+    "mod": MoDSection,
+}
+"""Scheme name -> its config section, in declaration order (the order of ``enabled``, of the
+step-end hooks and of the run log). The built-in sections are listed here so that a config loads
+without importing torch; :func:`dynmo_hpc.model.schemes.registry.register` adds any other scheme's
+section (do not edit the table directly). A section is a frozen keyword-only dataclass with
+``validate()`` and ``validate_for(model)``."""
+
+
+def register_section(name: str, section_type: type[Any]) -> None:
+    """Make ``schemes.<name>`` a valid YAML key whose mapping loads into ``section_type``."""
+    known = SCHEME_SECTIONS.get(name)
+    if known is not None and known is not section_type:
+        raise ConfigError(
+            f"scheme '{name}' is already registered with section {known.__name__}, not "
+            f"{section_type.__name__}; HINT: choose another scheme name"
+        )
+    if not dataclasses.is_dataclass(section_type):
+        raise ConfigError(f"scheme '{name}': section {section_type!r} must be a dataclass")
+    SCHEME_SECTIONS[name] = section_type
+    _describe_fields()
+
+
+def unregister_section(name: str) -> None:
+    """Remove a registered scheme's section (tests that register a scheme of their own)."""
+    SCHEME_SECTIONS.pop(name, None)
+    _describe_fields()
+
+
+def _describe_fields() -> None:
+    """Give :class:`SchemesSection` the dataclass fields and annotations of the table, so the
+    strict loader, ``dataclasses.asdict`` and ``typing.get_type_hints`` treat it as the
+    dataclass ``{name: Section | None = None, ...}`` of the registered schemes."""
+    shape = dataclasses.make_dataclass(
+        "SchemesSection",
+        [(n, t | None, dataclasses.field(default=None)) for n, t in SCHEME_SECTIONS.items()],
+        frozen=True,
+        kw_only=True,
+    )
+    SchemesSection.__dataclass_fields__ = shape.__dataclass_fields__  # type: ignore[attr-defined]
+    SchemesSection.__annotations__ = {n: t | None for n, t in SCHEME_SECTIONS.items()}
+
+
 class SchemesSection:
-    moe: MoESection | None = None
-    """Mixture of Experts feed-forward; absent = off."""
-    pruning: PruningSection | None = None
-    """Gradual structured magnitude pruning; absent = off."""
-    freezing: FreezingSection | None = None
-    """Progressive front-first layer freezing; absent = off."""
-    sparse_attention: SparseAttentionSection | None = None
-    """Dynamic block-sparse causal attention; absent = off."""
-    early_exit: EarlyExitSection | None = None
-    """Per-token early exit with exit heads; absent = off."""
-    mod: MoDSection | None = None
-    """Mixture of Depths token routing; absent = off."""
+    """The ``schemes:`` section: one optional sub-section per registered scheme (absent = off).
+
+    Immutable. ``schemes.<name>`` (or ``schemes["<name>"]``) is that scheme's section, or None
+    when the scheme is off; the names are the keys of :data:`SCHEME_SECTIONS`, so a registered
+    scheme is a valid YAML key without any edit here. It presents itself as the frozen
+    dataclass of those names (``dataclasses.fields``, ``asdict`` and ``get_type_hints`` see one
+    ``Section | None`` field per registered scheme), so the strict loader parses ``schemes:``
+    through the table and ``JobConfig.to_dict`` lists every registered name, None when off.
+    """
+
+    __slots__ = ("_sections",)
+
+    def __init__(self, **sections: Any) -> None:
+        unknown = [name for name in sections if name not in SCHEME_SECTIONS]
+        if unknown:
+            raise ConfigError(
+                f"unknown scheme {', '.join(unknown)}; valid schemes are: "
+                f"{', '.join(SCHEME_SECTIONS)}"
+            )
+        on = {name: value for name, value in sections.items() if value is not None}
+        object.__setattr__(self, "_sections", {n: on[n] for n in SCHEME_SECTIONS if n in on})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in SCHEME_SECTIONS:
+            return self._sections.get(name)
+        raise AttributeError(f"no scheme '{name}'; valid schemes are: {', '.join(SCHEME_SECTIONS)}")
+
+    def __getitem__(self, name: str) -> Any:
+        return self.__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to schemes.{name}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SchemesSection) and self._sections == other._sections
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={value!r}" for name, value in self._sections.items())
+        return f"SchemesSection({inner})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_schemes, (dict(self._sections),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SchemesSection:
+        return self  # immutable, and its sections are frozen
 
     @property
     def enabled(self) -> list[str]:
-        """Names of the schemes switched on, in declaration order."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        """Names of the schemes switched on, in registration order."""
+        return list(self._sections)
 
     def validate(self) -> None:
-        for name in self.enabled:
-            getattr(self, name).validate()
+        for section in self._sections.values():
+            section.validate()
         if self.early_exit is not None:
             for other in ("mod", "sparse_attention"):
                 if getattr(self, other) is not None:
@@ -328,53 +462,24 @@ class SchemesSection:
                     )
 
     def validate_for(self, model: ModelSection) -> None:
-        """Checks that need the model: layer indices, per-layer list lengths, block sizes."""
+        """Checks that need the model: each section's own, then the ones across schemes."""
+        for section in self._sections.values():
+            if hasattr(section, "validate_for"):
+                section.validate_for(model)
         n = model.num_blocks
-        blocks = list(range(1, n + 1))
-        if self.moe is not None:
-            _check_block_layers("schemes.moe.layers", self.moe.layers, n)
-        if self.pruning is not None:
-            _check_block_layers("schemes.pruning.layers", self.pruning.layers, n)
-            if self.pruning.min_heads > model.num_heads:
+        sa, routed = self.sparse_attention, self.mod
+        if sa is not None and routed is not None:
+            both = set(routed.layers or every_other_block(n)) & set(sa.layers or range(1, n + 1))
+            if both:
                 raise ConfigError(
-                    f"schemes.pruning.min_heads({self.pruning.min_heads}) > model.num_heads"
-                    f"({model.num_heads}); lower min_heads"
+                    f"blocks {sorted(both)} are in both schemes.mod.layers and "
+                    "schemes.sparse_attention.layers; routed blocks attend densely over "
+                    "their selected tokens: make the two layer lists disjoint"
                 )
-        max_frozen = self.freezing.max_frozen_layers if self.freezing is not None else None
-        if max_frozen is not None and max_frozen > n + 1:
-            raise ConfigError(
-                f"schemes.freezing.max_frozen_layers({max_frozen}) > "
-                f"model.num_blocks + 1 ({n + 1}); the head never freezes"
-            )
-        sa = self.sparse_attention
-        if sa is not None:
-            _check_block_layers("schemes.sparse_attention.layers", sa.layers, n)
-            if model.seq_len % sa.block_size:
-                raise ConfigError(
-                    f"model.seq_len({model.seq_len}) % schemes.sparse_attention.block_size"
-                    f"({sa.block_size}) != 0; choose a block size dividing seq_len"
-                )
-            count = _num_selected(sa.layers, blocks)
-            if sa.layer_density is not None and len(sa.layer_density) != count:
-                raise ConfigError(
-                    f"schemes.sparse_attention.layer_density has {len(sa.layer_density)} "
-                    f"entries for {count} selected blocks; give one per selected block"
-                )
-        if self.early_exit is not None:
-            _check_block_layers("schemes.early_exit.layers", self.early_exit.layers, n)
-        if self.mod is not None:
-            _check_block_layers("schemes.mod.layers", self.mod.layers, n)
-            count = _num_selected(self.mod.layers, every_other_block(n))
-            if self.mod.layer_capacity is not None and len(self.mod.layer_capacity) != count:
-                raise ConfigError(
-                    f"schemes.mod.layer_capacity has {len(self.mod.layer_capacity)} entries "
-                    f"for {count} selected blocks; give one per selected block"
-                )
-            if sa is not None:
-                both = set(self.mod.layers or every_other_block(n)) & set(sa.layers or blocks)
-                if both:
-                    raise ConfigError(
-                        f"blocks {sorted(both)} are in both schemes.mod.layers and "
-                        "schemes.sparse_attention.layers; routed blocks attend densely over "
-                        "their selected tokens: make the two layer lists disjoint"
-                    )
+
+
+def _rebuild_schemes(sections: dict[str, Any]) -> SchemesSection:
+    return SchemesSection(**sections)
+
+
+_describe_fields()

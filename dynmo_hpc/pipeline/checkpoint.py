@@ -35,6 +35,7 @@ import torch
 
 from dynmo_hpc.atomic_io import atomic_write_bytes, atomic_write_text
 from dynmo_hpc.errors import CheckpointError
+from dynmo_hpc.model.schemes import take_counters
 
 log = logging.getLogger(__name__)
 
@@ -408,19 +409,10 @@ def flatten(prefix: str, value: Any) -> dict[str, Any]:
 # -- scheme counters ---------------------------------------------------------------------------
 
 
-_COUNTER_ATTRS = ("stats", "token_stats")
-"""Plain-dict attributes the schemes count into between load reports."""
-
-
 def scheme_counters(module: torch.nn.Module) -> dict[str, dict[str, float]]:
-    """The counters of every submodule, by ``<path>:<attr>``."""
-    out = {}
-    for path, sub in module.named_modules():
-        for attr in _COUNTER_ATTRS:
-            counters = getattr(sub, attr, None)
-            if isinstance(counters, dict):
-                out[f"{path}:{attr}"] = {str(k): float(v) for k, v in counters.items()}
-    return out
+    """The counters of every submodule, by ``<path>:<attr>``, for every counter attribute a
+    registered scheme declares (``Scheme.counter_attrs``)."""
+    return take_counters(module, clear=False)
 
 
 def restore_counters(module: torch.nn.Module, counters: dict[str, dict[str, float]]) -> None:

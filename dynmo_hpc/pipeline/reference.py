@@ -9,7 +9,8 @@ losses to match these, so any schedule or communication bug shows up as a number
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,8 @@ class ReferenceResult:
     """Final parameters by global layer index."""
     step_time_s: list[float]
     """Wall seconds per step (the single-process baseline for benchmarks)."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """The scheme controller's run-log events (``scheme_stats`` and each scheme's own)."""
 
 
 def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult:
@@ -56,6 +59,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
     num_mb = cfg.train.num_microbatches
     losses = []
     step_time_s = []
+    events: list[dict[str, Any]] = []
     for step in range(num_steps):
         t0 = time.perf_counter()
         step_loss = 0.0
@@ -79,11 +83,11 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             set_lr(slot.optimizer, lr)
             slot.optimizer.step()
             slot.optimizer.zero_grad(set_to_none=True)
-        controller.step_end(step, slots, lambda obj: [obj])
+        events += controller.step_end(step, slots, lambda obj: [obj])
         losses.append(step_loss)
         step_time_s.append(time.perf_counter() - t0)
     state = {
         slot.index: {k: v.detach().clone() for k, v in slot.module.state_dict().items()}
         for slot in slots
     }
-    return ReferenceResult(losses=losses, state=state, step_time_s=step_time_s)
+    return ReferenceResult(losses=losses, state=state, step_time_s=step_time_s, events=events)

@@ -112,9 +112,10 @@ class PipelineStage:
         self.spec: Spec = activation_spec(cfg, cfg.train.micro_batch_size)
         self.grad_spec: Spec = {k: v for k, v in self.spec.items() if v[1].is_floating_point}
         """Gradients travel back only for floating-point payload tensors."""
-        self.frozen_prefix_end = 0
-        """Layers below this index are all frozen: no backward runs through them (set by the
-        scheme controller at step boundaries, the same value on every rank)."""
+        self.no_grad_below = 0
+        """No layer below this index needs a backward pass, so none runs through them and no
+        gradient crosses into them (the scheme controller's ``no_grad_below``, copied at step
+        boundaries, the same value on every rank)."""
         self.slots: list[LayerSlot] = (
             [self.make_slot(i, build_layer(cfg, i)) for i in range(parts[stage], parts[stage + 1])]
             if build_layers
@@ -204,7 +205,7 @@ class PipelineStage:
         saved = SavedMicrobatch(inputs=[], outputs=[], aux=[], ctx=ctx)
         for slot in self.slots:
             # The gradient w.r.t. layer i's input is needed only if some layer below i trains.
-            x_in = _detach_inputs(x, needs_grad=slot.index > self.frozen_prefix_end)
+            x_in = _detach_inputs(x, needs_grad=slot.index > self.no_grad_below)
             num_aux_before = len(ctx.aux_losses)
             slot.forward_timer.start()
             x = slot.module(x_in, ctx)
@@ -224,15 +225,15 @@ class PipelineStage:
 
     def backward_microbatch(self, mb: int, saved: SavedMicrobatch, stats: StepStats) -> None:
         grads = None
-        if self.parts[self.stage + 1] > self.frozen_prefix_end:
+        if self.parts[self.stage + 1] > self.no_grad_below:
             grads = self.link.recv_backward(mb, self.grad_spec)
         t0 = time.perf_counter()
         scale = 1.0 / self.num_microbatches
         for pos in range(len(self.slots) - 1, -1, -1):
             slot = self.slots[pos]
-            if slot.index < self.frozen_prefix_end:
+            if slot.index < self.no_grad_below:
                 grads = None
-                break  # a frozen prefix: nothing below needs a gradient
+                break  # nothing below needs a gradient
             out, x_in = saved.outputs[pos], saved.inputs[pos]
             tensors: list[torch.Tensor] = []
             grad_tensors: list[torch.Tensor] = []
@@ -262,7 +263,7 @@ class PipelineStage:
                     if v.is_floating_point()
                 }
         stats.compute_s += time.perf_counter() - t0
-        if self.parts[self.stage] > self.frozen_prefix_end and self.stage > 0:
+        if self.parts[self.stage] > self.no_grad_below and self.stage > 0:
             assert grads is not None, f"stage {self.stage} owes its input gradient"
             self.link.send_backward(mb, self.grad_spec, grads)
         self.link.reap_sends()

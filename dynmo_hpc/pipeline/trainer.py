@@ -130,7 +130,7 @@ class Trainer(LoadReporting):
         self.schemes = SchemeController(cfg)
         if resume_from is not None:
             self.schemes.resume(self.pipeline_stage.slots, comm.allgather)
-            self.pipeline_stage.frozen_prefix_end = self.schemes.frozen_prefix_end
+            self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
         self.migration_comm = comm.Dup()
         self.accumulator = IntervalAccumulator()
         self.tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
@@ -277,7 +277,7 @@ class Trainer(LoadReporting):
         lr = lr_at(step, cfg.train)
         self.pipeline_stage.optimizer_step(lr, coefficient)
         scheme_events = self.schemes.step_end(step, self.pipeline_stage.slots, self.comm.allgather)
-        self.pipeline_stage.frozen_prefix_end = self.schemes.frozen_prefix_end
+        self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
 
         gathered = self.comm.gather(
             (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
@@ -414,7 +414,7 @@ class Trainer(LoadReporting):
             "data": {"next_step": step, "batches": "pure function of (job.seed, step, microbatch)"},
             "lr_schedule": {"next_step": step, "next_lr": lr_at(step, cfg.train)},
             "rng": {"seed": cfg.job.seed, "stateful_generators": []},
-            "frozen_prefix_end": self.schemes.frozen_prefix_end,
+            "schemes": self.schemes.run_state(),
             "balancer": {
                 "costs_s": self.tracker.costs_s,
                 "num_reports": self.num_reports,

@@ -203,7 +203,7 @@ def train_local_pipeline(
         for t in threads:
             t.join()
         for stage, controller in zip(run.stages, controllers, strict=True):
-            stage.frozen_prefix_end = controller.frozen_prefix_end
+            stage.no_grad_below = controller.no_grad_below
         if repartition and step in repartition:
             migrate(run.stages, cfg, repartition[step])
         run.events.extend(results[0])

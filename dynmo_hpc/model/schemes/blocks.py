@@ -16,20 +16,22 @@ block migrates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.model.gpt import Block, MicrobatchContext, Payload
-from dynmo_hpc.model.schemes import early_exit, mod, sparse_attention
+from dynmo_hpc.model.schemes import sparse_attention
 from dynmo_hpc.model.schemes.moe import MoEFeedForward
 
 
 class SchemeAttention(nn.Module):
     """Causal self-attention with a variable number of heads and optional block sparsity.
 
-    The parameters are laid out as in ``model.CausalSelfAttention`` (``c_attn`` holds the query,
+    The parameters are laid out as in ``model.gpt.CausalSelfAttention`` (``c_attn`` holds the query,
     key and value rows of every head, ``c_proj`` maps the heads back to ``d_model``), but the
     head count may shrink: structural pruning removes a head's rows from ``c_attn`` and its
     columns from ``c_proj``, so the matrices really get smaller. ``head_size`` never changes.
@@ -116,22 +118,23 @@ class SchemeAttention(nn.Module):
 class SchemeBlock(Block):
     """A pre-norm block whose feed-forward, attention and token set the schemes may change.
 
-    Attributes the builders set (all default to the plain block):
+    Attributes the schemes' ``configure_block`` hooks set (all default to the plain block):
 
     * ``mlp``: an ``MLP`` or a :class:`~.moe.MoEFeedForward`;
     * ``attn.make_sparse(...)``: dynamic block-sparse attention;
     * ``depth_router``: a :class:`~.mod.DepthRouter` (Mixture of Depths);
     * ``exit_head``: an :class:`~.early_exit.ExitHead`;
-    * ``early_exit_model``: True in a model with early exit: the block processes only the tokens
-      still active (``x["active"]``), with or without an exit head of its own.
+    * ``forward_path``: a module-level function ``(block, x, ctx) -> payload`` that replaces the
+      dense forward (MoD's routed path, early exit's active-tokens path); a plain function, so
+      it pickles by name when the block migrates.
     """
 
     def __init__(self, cfg: ModelSection, d_ff: int) -> None:
         super().__init__(cfg, d_ff)
         self.attn: SchemeAttention = SchemeAttention(cfg.d_model, cfg.num_heads)
-        self.depth_router: mod.DepthRouter | None = None
-        self.exit_head: early_exit.ExitHead | None = None
-        self.early_exit_model = False
+        self.depth_router: nn.Module | None = None
+        self.exit_head: nn.Module | None = None
+        self.forward_path: ForwardPath | None = None
         self.token_stats: dict[str, float] = {}
         """Tokens seen and tokens computed since the last report (early-exit models)."""
 
@@ -146,50 +149,13 @@ class SchemeBlock(Block):
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         assert x is not None
-        if self.depth_router is not None:
-            return self.forward_routed(x, ctx)
-        if self.early_exit_model:
-            return self.forward_active(x, ctx)
+        if self.forward_path is not None:
+            return self.forward_path(self, x, ctx)
         h = x["h"]  # (B, T, C)
         h = h + self.attn(self.ln_1(h))
         h = h + self.feed_forward(self.ln_2(h), ctx)
         return {**x, "h": h}
 
-    def forward_routed(self, x: Payload, ctx: MicrobatchContext) -> Payload:
-        """A MoD block: the selected tokens go through the block, the others pass unchanged."""
-        assert self.depth_router is not None
-        h = x["h"]  # (B, T, C)
-        B, _, C = h.shape
-        top, weight = self.depth_router(h)  # (B, k), (B, k, 1)
-        index = top[..., None].expand(B, top.shape[1], C)  # (B, k, C)
-        h_sel = h.gather(1, index)  # (B, k, C)
-        u = h_sel + self.attn(self.ln_1(h_sel))  # (B, k, C): causal over sorted positions
-        u = u + self.feed_forward(self.ln_2(u), ctx)
-        h_new = h_sel + weight * (u - h_sel)  # (B, k, C)
-        return {**x, "h": h.scatter(1, index, h_new)}
 
-    def forward_active(self, x: Payload, ctx: MicrobatchContext) -> Payload:
-        """A block of an early-exit model: it computes the active tokens only."""
-        h = x["h"]  # (B, T, C)
-        B, T, C = h.shape
-        active = x["active"].detach() > 0.5  # (B, T)
-        out = {**x, "active": x["active"].detach()}
-        num_active = int(active.sum())
-        stats = self.token_stats
-        stats["tokens"] = stats.get("tokens", 0.0) + float(B * T)
-        stats["processed"] = stats.get("processed", 0.0) + float(num_active)
-        if num_active == 0:
-            return out  # every token has exited: nothing to compute
-        b_idx, t_idx = active.nonzero(as_tuple=True)  # (N,), (N,) row-major
-        if num_active == B * T:
-            h = h + self.attn(self.ln_1(h))
-            h = h + self.feed_forward(self.ln_2(h), ctx)
-            h_act = h.reshape(B * T, C)  # (N, C)
-            out["h"] = h
-        else:
-            h_act = h[b_idx, t_idx] + self.attn.attend_active(self.ln_1(h), active, b_idx, t_idx)
-            h_act = h_act + self.feed_forward(self.ln_2(h_act), ctx)  # (N, C)
-            out["h"] = h.index_put((b_idx, t_idx), h_act)
-        if self.exit_head is not None:
-            out.update(self.exit_head.decide(h_act, b_idx, t_idx, active, x["exit_nll"], ctx))
-        return out
+ForwardPath = Callable[[SchemeBlock, Payload, MicrobatchContext], Payload]
+"""A scheme's replacement for :meth:`SchemeBlock.forward` (see ``forward_path``)."""

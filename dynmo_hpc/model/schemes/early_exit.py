@@ -30,12 +30,17 @@ travels with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_hpc.config import EarlyExitSection, ModelSection
 from dynmo_hpc.model.gpt import Embedding, Head, MicrobatchContext, Payload
+from dynmo_hpc.model.schemes.blocks import SchemeBlock
+from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot, Spec
 
 
 def exit_layers(section: EarlyExitSection, num_blocks: int) -> list[int]:
@@ -121,3 +126,64 @@ class EarlyExitHead(Head):
         ce_sum = F.cross_entropy(logits, ctx.targets[active], reduction="sum")
         ctx.loss = (ce_sum + x["exit_nll"].sum()) / active.numel()
         return {}
+
+
+def active_forward(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Payload:
+    """A block of an early-exit model: it computes the active tokens only (the
+    ``block.forward_path`` of every block of such a model)."""
+    h = x["h"]  # (B, T, C)
+    B, T, C = h.shape
+    active = x["active"].detach() > 0.5  # (B, T)
+    out = {**x, "active": x["active"].detach()}
+    num_active = int(active.sum())
+    stats = block.token_stats
+    stats["tokens"] = stats.get("tokens", 0.0) + float(B * T)
+    stats["processed"] = stats.get("processed", 0.0) + float(num_active)
+    if num_active == 0:
+        return out  # every token has exited: nothing to compute
+    b_idx, t_idx = active.nonzero(as_tuple=True)  # (N,), (N,) row-major
+    if num_active == B * T:
+        h = h + block.attn(block.ln_1(h))
+        h = h + block.feed_forward(block.ln_2(h), ctx)
+        h_act = h.reshape(B * T, C)  # (N, C)
+        out["h"] = h
+    else:
+        h_act = h[b_idx, t_idx] + block.attn.attend_active(block.ln_1(h), active, b_idx, t_idx)
+        h_act = h_act + block.feed_forward(block.ln_2(h_act), ctx)  # (N, C)
+        out["h"] = h.index_put((b_idx, t_idx), h_act)
+    if isinstance(block.exit_head, ExitHead):
+        out.update(block.exit_head.decide(h_act, b_idx, t_idx, active, x["exit_nll"], ctx))
+    return out
+
+
+class EarlyExitScheme(Scheme):
+    """``schemes.early_exit``: exit heads on the chosen blocks, the active-token payload, and
+    tokens allowed to exit from ``start_step`` on."""
+
+    name = "early_exit"
+    section_type = EarlyExitSection
+    changes_block = True
+    counter_attrs = ("stats", "token_stats")
+
+    def replace_layer(self, kind: str) -> nn.Module | None:
+        if kind == "embedding":
+            return EarlyExitEmbedding(self.cfg.model)
+        if kind == "head":
+            return EarlyExitHead(self.cfg.model)
+        return None
+
+    def configure_block(self, block: Any, index: int) -> None:
+        block.forward_path = active_forward
+        if index in exit_layers(self.section, self.cfg.model.num_blocks):
+            block.exit_head = ExitHead(self.cfg.model, self.section)
+
+    def payload_spec(self, micro_batch_size: int) -> Spec:
+        return payload_spec(micro_batch_size, self.cfg.model.seq_len)
+
+    def step_end(self, step: int, slots: Sequence[Slot], allgather: AllGather) -> None:
+        enabled = step + 1 >= self.section.start_step
+        for slot in slots:
+            head = getattr(slot.module, "exit_head", None)
+            if head is not None:
+                head.enabled.fill_(enabled)
+        return None

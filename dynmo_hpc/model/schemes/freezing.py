@@ -13,9 +13,10 @@ a prefix ``0 .. frozen_prefix_end - 1``; each check extends the prefix over at m
 from every rank, so all ranks (and the reference) agree. The head never freezes.
 
 What freezing saves: a frozen layer's parameters stop requiring gradients (no weight-gradient
-kernels, and AdamW skips parameters without a gradient, so no optimizer work). The engine runs no
-backward at all through the frozen prefix and sends no gradient message across it (see
-``engine.PipelineStage._backward``); the forward still runs.
+kernels, and AdamW skips parameters without a gradient, so no optimizer work). The prefix end is
+this scheme's ``no_grad_below``: the pipeline stage runs no backward at all below it and sends
+no gradient message across it (``pipeline.stage.PipelineStage.backward_microbatch``); the forward
+still runs.
 
 State in the layer: buffers ``frozen`` (bool) and ``frozen_ref_grad_norm`` (the norm at the last
 check), so a migrated or checkpointed layer keeps both; :func:`apply_frozen_flag` re-derives
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import FreezingSection
+from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 
 
 def attach(module: nn.Module) -> None:
@@ -166,3 +168,52 @@ def freeze_step(
         },
     }
     return new_end, event
+
+
+class FreezingScheme(Scheme):
+    """``schemes.freezing``: the frozen prefix, extended at convergence checks.
+
+    ``prefix_end`` is the same on every rank (decided from allgathered flags) and is this
+    scheme's ``no_grad_below``; after a restore it is re-derived from the layers' flags.
+    """
+
+    name = "freezing"
+    section_type = FreezingSection
+
+    def __init__(self, cfg: Any, section: Any) -> None:
+        super().__init__(cfg, section)
+        self.prefix_end = 0
+        """Layers ``0..prefix_end-1`` are all frozen."""
+
+    def attach(self, module: nn.Module, index: int) -> None:
+        attach(module)
+
+    def after_load(self, module: nn.Module) -> None:
+        apply_frozen_flag(module)
+
+    def step_end(
+        self, step: int, slots: Sequence[Slot], allgather: AllGather
+    ) -> dict[str, Any] | None:
+        num_layers = self.cfg.model.num_layers
+        self.prefix_end, event = freeze_step(
+            self.section, step, slots, allgather, self.prefix_end, num_layers
+        )
+        return event
+
+    def resume(self, slots: Sequence[Slot], allgather: AllGather) -> None:
+        flags: dict[int, bool] = {}
+        for part in allgather({s.index: is_frozen(s.module) for s in slots}):
+            flags.update(part)
+        end = 0
+        while flags.get(end, False):
+            end += 1
+        self.prefix_end = end
+
+    def no_grad_below(self) -> int:
+        return self.prefix_end
+
+    def layer_stats(self, slot: Slot) -> dict[str, float]:
+        return {"frozen": float(is_frozen(slot.module))}
+
+    def summary(self) -> dict[str, Any]:
+        return {"frozen_prefix_end": self.prefix_end}

@@ -25,11 +25,16 @@ training objective.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dynmo_hpc.config import MoDSection
+from dynmo_hpc.config import MoDSection, every_other_block
+from dynmo_hpc.model.gpt import MicrobatchContext, Payload
+from dynmo_hpc.model.schemes.blocks import SchemeBlock
+from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 
 
 def tokens_processed(seq_len: int, capacity: float) -> int:
@@ -84,3 +89,55 @@ class DepthRouter(nn.Module):
         self.stats["tokens"] = self.stats.get("tokens", 0.0) + B * T
         self.stats["processed"] = self.stats.get("processed", 0.0) + B * k
         return top, weight
+
+
+def routed_forward(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Payload:
+    """A MoD block's forward: the selected tokens go through the block, the others pass
+    unchanged (``block.forward_path`` of a routed block)."""
+    assert block.depth_router is not None
+    h = x["h"]  # (B, T, C)
+    B, _, C = h.shape
+    top, weight = block.depth_router(h)  # (B, k), (B, k, 1)
+    index = top[..., None].expand(B, top.shape[1], C)  # (B, k, C)
+    h_sel = h.gather(1, index)  # (B, k, C)
+    u = h_sel + block.attn(block.ln_1(h_sel))  # (B, k, C): causal over sorted positions
+    u = u + block.feed_forward(block.ln_2(u), ctx)
+    h_new = h_sel + weight * (u - h_sel)  # (B, k, C)
+    return {**x, "h": h.scatter(1, index, h_new)}
+
+
+class MoDScheme(Scheme):
+    """``schemes.mod``: routers on the selected blocks, capacity annealed at every step end."""
+
+    name = "mod"
+    section_type = MoDSection
+    changes_block = True
+    counter_attrs = ("stats",)
+
+    def configure_block(self, block: Any, index: int) -> None:
+        section: MoDSection = self.section
+        routed = section.layers
+        if routed is None:
+            routed = every_other_block(self.cfg.model.num_blocks)
+        if index not in routed:
+            return
+        capacities = section.layer_capacity
+        capacity = capacities[routed.index(index)] if capacities else section.capacity
+        start = None if section.initial_capacity is None else capacity_at(section, capacity, 0)
+        block.depth_router = DepthRouter(self.cfg.model.d_model, capacity, start)
+        block.forward_path = routed_forward
+
+    def step_end(self, step: int, slots: Sequence[Slot], allgather: AllGather) -> None:
+        if self.section.initial_capacity is None:
+            return None
+        for slot in slots:
+            router = getattr(slot.module, "depth_router", None)
+            if isinstance(router, DepthRouter) and router.current_capacity is not None:
+                router.current_capacity.fill_(capacity_at(self.section, router.capacity, step + 1))
+        return None
+
+    def layer_stats(self, slot: Slot) -> dict[str, float]:
+        router = getattr(slot.module, "depth_router", None)
+        if isinstance(router, DepthRouter) and router.current_capacity is not None:
+            return {"depth_router.capacity": float(router.current_capacity)}
+        return {}

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dynmo_hpc.config import MoESection
 from dynmo_hpc.model.gpt import MLP
+from dynmo_hpc.model.schemes.registry import Scheme
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -187,3 +188,19 @@ class MoEFeedForward(nn.Module):
             self._count(f"expert_{e}", float(c))
         self._count("expert_rows", float(rows * self.num_experts if rows else num_served))
         return out, aux
+
+
+class MoEScheme(Scheme):
+    """``schemes.moe``: the selected blocks' feed-forward becomes a :class:`MoEFeedForward`."""
+
+    name = "moe"
+    section_type = MoESection
+    changes_block = True
+    counter_attrs = ("stats",)
+
+    def configure_block(self, block: nn.Module, index: int) -> None:
+        section: MoESection = self.section
+        if section.layers is not None and index not in section.layers:
+            return
+        d_ff = self.cfg.model.block_d_ff(index)
+        block.mlp = MoEFeedForward(self.cfg.model.d_model, section.d_ff_expert or d_ff, section)

@@ -40,6 +40,7 @@ from dynmo_hpc.model.optim import build_optimizer
 from dynmo_hpc.model.schemes.blocks import SchemeAttention, SchemeBlock
 from dynmo_hpc.model.schemes.freezing import is_frozen
 from dynmo_hpc.model.schemes.moe import MoEFeedForward
+from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 
 NEURON = "neuron"
 HEAD = "head"
@@ -379,3 +380,29 @@ def conform_to_state_dict(module: nn.Module, state: dict[str, Tensor]) -> None:
             heads = state[f"{prefix}c_attn.weight"].shape[0] // (3 * sub.head_size)
             if heads != sub.num_heads:
                 shrink_attention(sub, list(range(heads)), prefix)
+
+
+class PruningScheme(Scheme):
+    """``schemes.pruning``: structured pruning events on the schedule's steps."""
+
+    name = "pruning"
+    section_type = PruningSection
+    changes_block = True
+
+    def before_load(self, module: nn.Module, state: dict[str, Tensor]) -> None:
+        conform_to_state_dict(module, state)
+
+    def step_end(
+        self, step: int, slots: Sequence[Slot], allgather: AllGather
+    ) -> dict[str, Any] | None:
+        return prune_step(self.cfg, step, slots, allgather)
+
+    def layer_stats(self, slot: Slot) -> dict[str, float]:
+        out = {
+            f"sparsity.{kind}": value
+            for kind, value in layer_sparsity(slot.module, self.cfg, slot.index).items()
+        }
+        attn = getattr(slot.module, "attn", None)
+        if isinstance(attn, SchemeAttention):
+            out["attn.num_heads"] = float(attn.num_heads)
+        return out

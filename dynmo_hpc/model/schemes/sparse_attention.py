@@ -19,11 +19,14 @@ each layer's ``attn.density`` buffer at every step end, so it travels with the l
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dynmo_hpc.config import SparseAttentionSection
+from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 
 
 def density_at(section: SparseAttentionSection, base_density: float, steps_done: int) -> float:
@@ -136,3 +139,43 @@ def block_sparse_attention(
         start = end
     y = torch.cat(outputs, dim=2)  # (B, nh, nb, bs, hs)
     return y.reshape(B, nh, T, hs), sum(keep), nb * (nb + 1) // 2
+
+
+def base_density(section: SparseAttentionSection, num_blocks: int, index: int) -> float | None:
+    """Layer ``index``'s configured attention density, or None if its attention is dense."""
+    layers = list(section.layers) if section.layers is not None else list(range(1, num_blocks + 1))
+    if index not in layers:
+        return None
+    if section.layer_density is not None:
+        return section.layer_density[layers.index(index)]
+    return section.density
+
+
+class SparseAttentionScheme(Scheme):
+    """``schemes.sparse_attention``: block-sparse attention whose density the controller
+    rewrites at every step end (the ``attn.density`` buffer, which travels with the layer)."""
+
+    name = "sparse_attention"
+    section_type = SparseAttentionSection
+    changes_block = True
+    counter_attrs = ("stats",)
+
+    def _base(self, index: int) -> float | None:
+        return base_density(self.section, self.cfg.model.num_blocks, index)
+
+    def configure_block(self, block: Any, index: int) -> None:
+        density = self._base(index)
+        if density is not None:
+            block.attn.make_sparse(self.section.block_size, density_at(self.section, density, 0))
+
+    def step_end(self, step: int, slots: Sequence[Slot], allgather: AllGather) -> None:
+        for slot in slots:
+            base = self._base(slot.index)
+            density = getattr(getattr(slot.module, "attn", None), "density", None)
+            if base is not None and isinstance(density, torch.Tensor):
+                density.fill_(density_at(self.section, base, step + 1))
+        return None
+
+    def layer_stats(self, slot: Slot) -> dict[str, float]:
+        density = getattr(getattr(slot.module, "attn", None), "density", None)
+        return {} if density is None else {"attn.density": float(density)}
