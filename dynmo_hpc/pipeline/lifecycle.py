@@ -20,8 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.launch.rank_status import RankStatus
-from dynmo_hpc.launch.supervisor import ATTEMPT_ENV, take_pending_failures
+from dynmo_hpc.handoff import env
+from dynmo_hpc.handoff.failures import take_pending_failures
+from dynmo_hpc.handoff.rank_status import RankStatus
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class FaultPoints:
     """The phases a rank passes through: recorded, watched for hangs, and fault injection.
 
     :meth:`enter` records the phase in the rank's status file
-    (:mod:`dynmo_hpc.launch.rank_status`), so after a crash the supervisor can say where each
+    (:mod:`dynmo_hpc.handoff.rank_status`), so after a crash the supervisor can say where each
     rank was, and restarts the phase clock of a watchdog thread: a rank that stays longer than
     ``fault.phase_timeout_s`` in one phase after start-up (a peer died silently, or froze)
     exits with code 124,
@@ -115,7 +116,7 @@ class FaultPoints:
     """
 
     def __init__(self, cfg: JobConfig, rank: int, run_dir: Path) -> None:
-        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+        attempt = env.attempt()
         self.status = RankStatus(run_dir, rank, attempt)
         fault = cfg.fault
         self.fault = fault

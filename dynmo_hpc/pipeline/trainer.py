@@ -19,7 +19,6 @@ import importlib
 import json
 import logging
 import math
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -32,8 +31,8 @@ from mpi4py import MPI
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.launch.local import LAUNCH_TIME_ENV
-from dynmo_hpc.launch.resize import take_phases, write_request
+from dynmo_hpc.handoff.env import launch_unix_s
+from dynmo_hpc.handoff.resize import take_phases, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, resume
@@ -176,10 +175,10 @@ class Trainer(LoadReporting):
         self.pack_target: dict[str, Any] | None = None
         """Set on every rank when rank 0 decided to pack: the stage count and partition."""
         self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
-        launch_unix_s = float(os.environ.get(LAUNCH_TIME_ENV, "nan"))
+        launched_unix_s = launch_unix_s()
         if self.rank == 0:
-            if math.isfinite(launch_unix_s):
-                self.packer.startup_s = time.time() - launch_unix_s
+            if math.isfinite(launched_unix_s):
+                self.packer.startup_s = time.time() - launched_unix_s
             if resume_from is not None:
                 self._log_resize(restore_s)
 

@@ -8,7 +8,7 @@ The contract (the rendered-sbatch path, ``dynmo-hpc sbatch``, keeps the same one
   partition, too many nodes, or more CPUs, memory or GPUs per node than the nodes have is an
   error that lists what is valid. A bad job never waits in a queue only to be rejected.
 * **The job manager runs once in the allocation** (submitit's ``use_srun=False``) while the job
-  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.launch.manager`).
+  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.slurm.manager`).
 * **Status:** :func:`wait_for_job` returns the final scheduler state (``COMPLETED``,
   ``FAILED``, ``TIMEOUT``, ...) from sacct; ``job.paths.stdout``/``stderr`` are the logs.
 * **Cancel:** ``job.cancel()``.

@@ -1,6 +1,6 @@
 """The job manager: runs once inside a SLURM allocation and starts the training ranks.
 
-``python -m dynmo_hpc.launch.manager JOB.yaml`` is what the sbatch template ``exec``s and what
+``python -m dynmo_hpc.slurm.manager JOB.yaml`` is what the sbatch template ``exec``s and what
 :func:`dynmo_hpc.submit` runs through submitit (with ``use_srun=False``, so it runs once, in the
 batch script, while the job holds all its nodes). It checks the allocation against the job (one
 rank per pipeline stage), writes the resolved config into the run directory, and starts the ranks
@@ -27,12 +27,12 @@ from types import FrameType
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.packing import nodes_for
 from dynmo_hpc.errors import ConfigError, LaunchError
+from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.launch import preflight
-from dynmo_hpc.launch.local import LAUNCH_TIME_ENV, worker_argv
+from dynmo_hpc.launch.local import worker_argv
 from dynmo_hpc.launch.rundir import lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
-    ATTEMPT_ENV,
     JobOutcome,
     StepLaunch,
     StepResult,
@@ -121,7 +121,7 @@ def run_manager(
     """
     if not in_slurm_job():
         raise LaunchError(
-            "dynmo_hpc.launch.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
+            "dynmo_hpc.slurm.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
             "HINT: use `dynmo-hpc run JOB.yaml` for local ranks, or `dynmo-hpc submit JOB.yaml`"
         )
     cfg = config_mod.load(config_path, overrides)
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     if not args:
         print(
-            "usage: python -m dynmo_hpc.launch.manager JOB.yaml [section.key=value ...]",
+            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [section.key=value ...]",
             file=sys.stderr,
         )
         return 2
