@@ -40,6 +40,7 @@ from dynmo_hpc.launch.supervisor import (
     supervise,
 )
 from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.placement import ranks_per_node
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
 from dynmo_hpc.slurm.resize import nodes_to_keep, resized_env, shrink_job
 from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env
@@ -135,11 +136,7 @@ def run_manager(
     if loopback_only is None:
         loopback_only = os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
     first = read_slurm_env()
-    ranks_per_node = (
-        max(first.tasks_per_node)
-        if first.tasks_per_node
-        else max(1, -(-cfg.pipeline.num_stages // first.num_nodes))
-    )
+    node_ranks = ranks_per_node(cfg.pipeline.num_stages, first.num_nodes, first.tasks_per_node)
     if resume is None:
         resume = requeue_count() > 0
     resume_from = newest_checkpoint(cfg.run_dir) if resume else None
@@ -158,7 +155,7 @@ def run_manager(
             launcher,
             worker_argv(launch.config_path, resume_from=launch.resume_from, restart=launch.restart),
             num_tasks=step_cfg.pipeline.num_stages,
-            num_nodes=min(held.num_nodes, nodes_for(step_cfg.pipeline.num_stages, ranks_per_node))
+            num_nodes=min(held.num_nodes, nodes_for(step_cfg.pipeline.num_stages, node_ranks))
             if launch.resume_from is not None
             else None,
         )
@@ -180,7 +177,7 @@ def run_manager(
 
     def shrink(smaller: config_mod.JobConfig) -> float:
         held = read_slurm_env()
-        needed = nodes_for(smaller.pipeline.num_stages, ranks_per_node)
+        needed = nodes_for(smaller.pipeline.num_stages, node_ranks)
         if needed >= held.num_nodes:
             return 0.0
         kept = nodes_to_keep(held.node_list, held.node_name or held.node_list[0], needed)
