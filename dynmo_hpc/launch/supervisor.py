@@ -127,15 +127,7 @@ def supervise(
         repeated = failure.same_as(failures[-1] if failures else None)
         failures.append(failure)
         record = {**failure.to_event(), "attempt": attempt, "unix_s": time.time()}
-        if restarts >= cfg.fault.max_restarts:
-            add_pending_failure(cfg.run_dir, {**record, "restarted": False})
-            why = f"fault.max_restarts={cfg.fault.max_restarts} restarts used"
-            return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
-        why = ""
-        if repeated:
-            why = "it failed the same way at the same step twice in a row"
-        elif not statuses:
-            why = "no rank started, so a restart would fail the same way"
+        why = _why_not_restart(cfg.fault.max_restarts, restarts, repeated, bool(statuses))
         if why:
             add_pending_failure(cfg.run_dir, {**record, "restarted": False})
             return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
@@ -154,6 +146,20 @@ def supervise(
         )
     log.error("the job needed more than %d MPI steps (resizes and restarts); stopping", MAX_STEPS)
     return JobOutcome(1, failures, restarts, gave_up=f"more than {MAX_STEPS} MPI steps")
+
+
+def _why_not_restart(
+    max_restarts: int, restarts: int, repeated: bool, any_rank_started: bool
+) -> str:
+    """Why a failed step is not restarted ("" when it is): the restarts are used up, it failed
+    the same way twice in a row, or no rank started."""
+    if restarts >= max_restarts:
+        return f"fault.max_restarts={max_restarts} restarts used"
+    if repeated:
+        return "it failed the same way at the same step twice in a row"
+    if not any_rank_started:
+        return "no rank started, so a restart would fail the same way"
+    return ""
 
 
 def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:
