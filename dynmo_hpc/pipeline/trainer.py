@@ -31,15 +31,12 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
-from dynmo_hpc.handoff.env import launch_unix_s
 from dynmo_hpc.handoff.resize import take_phases, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, resume
 from dynmo_hpc.pipeline.comm import make_link
-from dynmo_hpc.pipeline.costs import (
-    CostTracker,
-)
+from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
 from dynmo_hpc.pipeline.elastic import PackController, resize_event
@@ -238,7 +235,7 @@ class Trainer:
         log_failures(self.writer, self.run_dir)
         if resume_from is not None:
             self._log_skipped_checkpoints(resume_from)
-        launched_unix_s = launch_unix_s()
+        launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             self.packer.startup_s = time.time() - launched_unix_s
         if resume_from is not None:
