@@ -134,7 +134,7 @@ def run_manager(
     preflight.check_run_dir(cfg.run_dir)
     preflight.check_local_device(cfg.runtime.device)
     first = read_slurm_env()
-    placement = _Placement(
+    steps = _AllocationSteps(
         launcher=launcher or os.environ.get("DYNMO_MPI_LAUNCHER", "auto"),
         loopback_only=os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
         if loopback_only is None
@@ -150,8 +150,8 @@ def run_manager(
     with lock_run_dir(cfg.run_dir):
         outcome = supervise(
             cfg,
-            placement.run_step,
-            placement.shrink,
+            steps.run_step,
+            steps.shrink,
             resume_from=resume_from,
             restart=resume and not resume_from,
         )
@@ -178,7 +178,7 @@ def _starting_checkpoint(
 
 
 @dataclass(frozen=True)
-class _Placement:
+class _AllocationSteps:
     """How this manager starts MPI steps in its allocation, and shrinks it for a pack."""
 
     launcher: str
