@@ -15,7 +15,8 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \
 	dynmo_hpc/launch/preflight.py dynmo_hpc/pipeline/corpus.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
-	dynmo_hpc/launch/rank_status.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
+	dynmo_hpc/handoff dynmo_hpc/report_cycle.py dynmo_hpc/placement.py \
+	dynmo_hpc/pipeline/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
 	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/bench/algorithms.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/host_memory.py
 

@@ -46,8 +46,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         out,
         *RUN_OVERRIDES,
         "job.name=stopped",
-        "runtime.fail_at_step=4",
-        "runtime.fail_mode=sigterm",
+        "fault.inject_step=4",
+        "fault.inject_signal=SIGTERM",
     )
     rc, _ = launch_local(stopped, timeout_s=240)
     assert rc == 0

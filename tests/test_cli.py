@@ -74,8 +74,9 @@ def test_failure_on_one_rank_aborts_the_job_quickly(tmp_path):
             f"job.out_dir={tmp_path}",
             "pipeline.num_stages=4",
             "train.steps=50",
-            "runtime.fail_at_step=2",
-            "runtime.fail_rank=2",
+            "fault.inject_step=2",
+            "fault.inject_rank=2",
+            "fault.inject_action=raise",
             "fault.max_restarts=0",  # the abort itself is timed here (restarts: test_faults)
         ]
         for a in ("--set", o)

@@ -223,7 +223,7 @@ TINY: dict[str, dict[str, Any]] = {
     "data": {"path": None, "val_fraction": 0.1},
     "train": {"steps": 2, "micro_batch_size": 2, "num_microbatches": 2, "log_interval": 1},
     "pipeline": {"num_stages": 1, "schedule": "1f1b", "partition": None},
-    "runtime": {"device": "cpu", "threads_per_rank": 1, "timeout_s": 120.0, "fail_at_step": None},
+    "runtime": {"device": "cpu", "threads_per_rank": 1, "timeout_s": 120.0},
     "checkpoint": {"every_steps": 0, "every_minutes": 0.0, "at_end": False},
     "elastic": {"enabled": False},
 }

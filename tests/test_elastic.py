@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_hpc.launch import resize
+from dynmo_hpc.handoff import resize
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import StepResult, supervise
 from dynmo_hpc.pipeline import checkpoint

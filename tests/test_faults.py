@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.launch import rank_status
+from dynmo_hpc.handoff import rank_status
+from dynmo_hpc.handoff.failures import FAILURE_PENDING
 from dynmo_hpc.launch.local import run_local
-from dynmo_hpc.launch.supervisor import FAILURE_PENDING
 from dynmo_hpc.runlog.reader import load
 from tests.helpers.jobs import ROOT, TINY, tiny_config
 

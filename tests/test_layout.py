@@ -1,6 +1,21 @@
-"""The package layout's rules, checked from the source: imports form a DAG, nothing outside the
-CLI imports it, the in-allocation manager never loads argparse, modules stay small, and a wheel
-built from the repository carries the sbatch template and renders a script."""
+"""The package layout's rules, checked from the source: imports form a DAG, between modules and
+between subpackages; nothing outside the CLI imports it; the in-allocation manager never loads
+argparse; modules stay small; and a wheel built from the repository carries the sbatch template
+and renders a script.
+
+The subpackages are layered, each importing only from the layers below it (a package-level cycle,
+``X`` importing ``Y`` while ``Y`` imports ``X`` at any depth, fails
+:func:`test_subpackages_form_a_dag`):
+
+1. the top-level modules (``errors``, ``version``, ``atomic_io``, ``logging_utils``,
+   ``isolation``, ``report_cycle``, ``placement``);
+2. ``config``;
+3. ``balance``, ``model``, ``runlog``, ``handoff`` (what a rank and its launcher exchange);
+4. ``pipeline`` (the ranks);
+5. ``launch`` (starting ranks locally, the supervisor every launcher shares), ``sim``, ``bench``;
+6. ``slurm`` (the SLURM backend, its in-allocation manager and submission, built on ``launch``);
+7. ``cli``, then the package root and ``__main__``.
+"""
 
 from __future__ import annotations
 
@@ -89,6 +104,50 @@ def test_imports_form_a_dag() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def _package_of(module: str) -> str:
+    """``dynmo_hpc.X`` for any module inside subpackage ``X``; a top-level module is its own."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (PACKAGE / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to packages: an edge ``X -> Y`` when a module of ``X`` imports
+    one of ``Y`` (imports inside a package are dropped)."""
+    packages: dict[str, set[str]] = {_package_of(name): set() for name in graph}
+    for name, deps in graph.items():
+        source = _package_of(name)
+        packages[source].update(p for d in deps if (p := _package_of(d)) != source)
+    return packages
+
+
+def test_subpackages_form_a_dag() -> None:
+    cycle = _find_cycle(_package_graph(_graph()))
+    assert cycle is None, (
+        "import cycle between subpackages: "
+        + " -> ".join(cycle or [])
+        + "; HINT: move what both need into the lower layer (see this module's docstring)"
+    )
+
+
+def test_package_graph_finds_a_cycle_through_submodules() -> None:
+    """The checker itself: modules that form no cycle can still tie two packages together."""
+    graph = {
+        "dynmo_hpc.pipeline.trainer": {"dynmo_hpc.launch.local"},
+        "dynmo_hpc.launch.local": set(),
+        "dynmo_hpc.launch.worker": {"dynmo_hpc.pipeline.stage"},
+        "dynmo_hpc.pipeline.stage": {"dynmo_hpc.errors"},
+        "dynmo_hpc.errors": set(),
+    }
+    assert _find_cycle(graph) is None
+    assert _find_cycle(_package_graph(graph)) == [
+        "dynmo_hpc.launch",
+        "dynmo_hpc.pipeline",
+        "dynmo_hpc.launch",
+    ]
+
+
 def test_cycle_finder_finds_a_cycle() -> None:
     """The checker itself: a planted cycle is reported, a DAG is not."""
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -109,7 +168,7 @@ def test_only_the_cli_imports_the_cli() -> None:
 
 def test_the_manager_never_loads_argparse() -> None:
     code = (
-        "import sys, dynmo_hpc.launch.manager, dynmo_hpc.slurm.submit; "
+        "import sys, dynmo_hpc.slurm.manager, dynmo_hpc.slurm.submit; "
         "sys.exit('argparse' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -191,4 +250,4 @@ def test_wheel_carries_the_template_and_renders_sbatch(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("#!/bin/bash") and "#SBATCH --job-name=default" in out.stdout
-    assert "-m dynmo_hpc.launch.manager" in out.stdout
+    assert "-m dynmo_hpc.slurm.manager" in out.stdout

@@ -106,8 +106,8 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path, case
         case,
         "chain",
         f"pipeline.num_stages={first}",
-        f"runtime.fail_at_step={SIGTERM_AT_STEP}",
-        "runtime.fail_mode=sigterm",
+        f"fault.inject_step={SIGTERM_AT_STEP}",
+        "fault.inject_signal=SIGTERM",
     )
     assert _launch(stopped) == 0
     assert sorted(p.name for p in (stopped.run_dir / "checkpoint").glob("step_*")) == ["step_2"]
@@ -119,9 +119,9 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path, case
         "chain",
         f"pipeline.num_stages={second}",
         f"checkpoint.every_steps={EVERY_STEPS}",
-        f"runtime.fail_at_step={SIGKILL_AT_STEP}",
-        "runtime.fail_rank=1",
-        "runtime.fail_mode=sigkill_job",
+        f"fault.inject_step={SIGKILL_AT_STEP}",
+        "fault.inject_rank=1",
+        "fault.inject_action=kill_job",
         "fault.max_restarts=0",  # this test resumes by hand
     )
     assert _launch(crashed, resume=True) != 0

@@ -80,7 +80,7 @@ def test_minimal_script_leaves_optional_flags_out() -> None:
     assert "activate" not in text
     assert "#SBATCH --time=30\n" in text
     assert "#SBATCH --signal=B:USR2@120\n" in text
-    assert text.rstrip().endswith("exec python -m dynmo_hpc.launch.manager c.yaml")
+    assert text.rstrip().endswith("exec python -m dynmo_hpc.slurm.manager c.yaml")
     # On a real cluster Open MPI must be free to pick its interconnect.
     assert "OMPI_MCA_btl" not in text
     assert "if_include" not in text

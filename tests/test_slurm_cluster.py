@@ -177,7 +177,7 @@ def test_rendered_sbatch_script_runs_and_forwards_usr2(
         tmp_path / f"dynmo-smoke-{job_id}.err"
     )
     assert state == "COMPLETED", f"job {job_id} ended {state}; output:\n{text}"
-    assert f"argv ['-m', 'dynmo_hpc.launch.manager', '{config}']" in text, text
+    assert f"argv ['-m', 'dynmo_hpc.slurm.manager', '{config}']" in text, text
     assert f"venv {VENV}" in text, text
     assert f"nodes {','.join(NODES)}" in text, text
     assert f"MPI_OK 4 10 {','.join(NODES)}" in text, text

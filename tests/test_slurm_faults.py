@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dynmo_hpc import runlog
-from dynmo_hpc.launch import rank_status
+from dynmo_hpc.handoff import rank_status
 from dynmo_hpc.launch.local import run_local
 from dynmo_hpc.slurm.submit import submit, wait_for_job
 from tests.helpers.jobs import tiny_config

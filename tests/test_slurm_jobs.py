@@ -194,7 +194,12 @@ def test_failed_jobs_are_reported_with_their_log(
 
     One stage on one node keeps it cheap; the two submissions run at the same time.
     """
-    failing = ["runtime.fail_at_step=0", "slurm.loopback_only=true", "fault.max_restarts=0"]
+    failing = [
+        "fault.inject_step=0",
+        "fault.inject_action=raise",
+        "slurm.loopback_only=true",
+        "fault.max_restarts=0",
+    ]
     procs = {}
     for command, extra in (("submit", []), ("sbatch", ["--submit"])):
         overrides = [*tiny(tmp_path, unique(f"fail-{command}"), num_stages=1), *failing]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from dynmo_hpc.launch import rank_status
+from dynmo_hpc.handoff import rank_status
+from dynmo_hpc.handoff.failures import FAILURE_PENDING
 from dynmo_hpc.launch.failure import describe_failure
-from dynmo_hpc.launch.supervisor import FAILURE_PENDING, StepLaunch, StepResult, supervise
+from dynmo_hpc.launch.supervisor import StepLaunch, StepResult, supervise
 from tests.helpers.jobs import tiny_config
 
 OMPI_KILLED = """--------------------------------------------------------------------------

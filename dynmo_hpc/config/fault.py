@@ -1,5 +1,7 @@
 """The ``fault:`` section: how a job recovers from a crashed rank, and test-only fault injection.
 
+The one place a fault is configured; :mod:`dynmo_hpc.pipeline.fault_injection` enacts it.
+
 A failed MPI step (a rank killed by a signal, an aborted rank, a failed migration) is restarted
 by the process outside the step (:mod:`dynmo_hpc.launch.supervisor`) from the newest complete
 checkpoint, up to ``max_restarts`` times; see docs/reliability.md.
@@ -18,6 +20,9 @@ FAULT_PHASES = ("step", "load_report", "migration", "checkpoint")
 """Where an injected fault can strike: mid-step, mid-load-report, mid-migration (after the
 first chunk has gone), mid-checkpoint (after this rank's layer files, before the manifest)."""
 
+INJECT_ACTIONS = ("signal", "hang", "corrupt", "raise", "kill_job")
+"""How an injected fault fails (see :attr:`FaultSection.inject_action`)."""
+
 MAX_RESTARTS_LIMIT = 100
 """More restarts than this is a job that cannot work: refuse the setting."""
 
@@ -33,18 +38,20 @@ class FaultSection:
     """After Ctrl-C, SIGTERM or SIGHUP to ``dynmo-hpc run``: seconds the ranks get to reach a
     step boundary and checkpoint before they are killed (a second signal kills at once)."""
     inject_step: int | None = None
-    """Test only: at this step (0-based) rank ``inject_rank`` kills itself with
-    ``inject_signal`` in phase ``inject_phase``. Only the first launch of a job does so."""
+    """Test only: at this step (0-based), or the first ``inject_phase`` after it, rank
+    ``inject_rank`` fails as ``inject_action`` says. Only the first launch of a job does so."""
     inject_rank: int = 0
     """Test only: the rank that fails."""
     inject_phase: Literal["step", "load_report", "migration", "checkpoint"] = "step"
     """Test only: where in the step it fails (see ``FAULT_PHASES``)."""
     inject_signal: str = "SIGKILL"
     """Test only: the signal it sends itself (a name such as SIGKILL or SIGSEGV)."""
-    inject_action: Literal["signal", "hang", "corrupt"] = "signal"
-    """Test only: ``signal`` (send ``inject_signal``), ``hang`` (freeze, SIGSTOP: its peers'
-    ``phase_timeout_s`` must end the step), ``corrupt`` (``migration`` only: flip a byte of a
-    received chunk, as damage in transit would)."""
+    inject_action: Literal["signal", "hang", "corrupt", "raise", "kill_job"] = "signal"
+    """Test only: ``signal`` (send ``inject_signal``; SIGTERM is the stop-and-checkpoint path),
+    ``hang`` (freeze, SIGSTOP: its peers' ``phase_timeout_s`` must end the step), ``corrupt``
+    (``migration`` only: flip a byte of a received chunk, as damage in transit would), ``raise``
+    (an exception: the rank aborts with its traceback), ``kill_job`` (SIGKILL to the launcher's
+    whole process group, as a crashed node would end a local job, with no chance to save)."""
     phase_timeout_s: float = 1800.0
     """A rank that spends longer than this in one phase (a step, a load report, a migration, a
     checkpoint) ends itself with exit code 124, so a hung peer or network cannot hang the job;
@@ -68,9 +75,10 @@ class FaultSection:
             raise ConfigError(
                 f"fault.inject_phase={self.inject_phase!r} must be one of {', '.join(FAULT_PHASES)}"
             )
-        if self.inject_action not in ("signal", "hang", "corrupt"):
+        if self.inject_action not in INJECT_ACTIONS:
             raise ConfigError(
-                f"fault.inject_action={self.inject_action!r} must be signal, hang or corrupt"
+                f"fault.inject_action={self.inject_action!r} must be one of "
+                f"{', '.join(INJECT_ACTIONS)}"
             )
         if self.inject_action == "corrupt" and self.inject_phase != "migration":
             raise ConfigError(

@@ -59,11 +59,11 @@ class JobConfig:
         self.schemes.validate_for(self.model)
         self.slurm.validate_for(self.pipeline)
         self.balance.validate_for(self.model)
-        if self.runtime.fail_at_step is not None and self.runtime.fail_rank >= (
+        if self.fault.inject_step is not None and self.fault.inject_rank >= (
             self.pipeline.num_stages
         ):
             raise ConfigError(
-                f"runtime.fail_rank={self.runtime.fail_rank} is not a rank of the "
+                f"fault.inject_rank={self.fault.inject_rank} is not a rank of the "
                 f"{self.pipeline.num_stages} stages; HINT: pick 0..{self.pipeline.num_stages - 1}"
             )
         num_layers = self.model.num_layers

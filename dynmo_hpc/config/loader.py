@@ -139,6 +139,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
     valid = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in data.items():
+        renamed: dict[str, str] = getattr(cls, "RENAMED_KEYS", {})
+        if key not in valid and key in renamed:
+            raise ConfigError(
+                f"{source}: {show(prefix + str(key))} was replaced by {renamed[key]}; "
+                "HINT: rename the key in the YAML or --set"
+            )
         if key not in valid:
             raise ConfigError(
                 f"{source}: unknown key {show(prefix + str(key))}; valid keys under "

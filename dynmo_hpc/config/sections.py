@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dynmo_hpc.balance.registry import check_balance_settings
 from dynmo_hpc.config.bounds import (
@@ -254,13 +254,14 @@ class RuntimeSection:
     """Path to mpiexec for local runs; null uses the one in the venv next to Python."""
     timeout_s: float = 3600.0
     """Wall-clock limit for a local launch; the job is killed and reported after it."""
-    fail_at_step: int | None = None
-    """Fault injection: raise an error on rank ``fail_rank`` at this step (tests abort handling)."""
-    fail_rank: int = 0
-    """The rank that fails when ``fail_at_step`` is set."""
-    fail_mode: Literal["raise", "sigterm", "sigkill_job"] = "raise"
-    """How it fails: an exception, SIGTERM to itself (stop and checkpoint), or SIGKILL to the
-    whole local job (a crash with no chance to save)."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "fail_at_step": "fault.inject_step (with fault.inject_action=raise)",
+        "fail_rank": "fault.inject_rank",
+        "fail_mode": "fault.inject_action (raise; kill_job for sigkill_job; signal with "
+        "fault.inject_signal=SIGTERM for sigterm)",
+    }
+    """Keys that fault injection replaced: the loader names the new key for each."""
 
     def validate(self) -> None:
         if self.threads_per_rank < 1:
@@ -280,10 +281,6 @@ class RuntimeSection:
                 "runtime.mpi_launcher='' is empty; HINT: give the path of mpiexec, or null for "
                 "the venv's"
             )
-        if self.fail_at_step is not None:
-            in_range("runtime.fail_at_step", self.fail_at_step, 0, MAX_STEPS, "a step index")
-        if self.fail_rank < 0:
-            raise ConfigError(f"runtime.fail_rank={self.fail_rank} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """What a failed MPI step says about itself: which rank died, how, and where it was.
 
 Pure functions of the launcher's last output and the ranks' status files
-(:mod:`dynmo_hpc.launch.rank_status`), so the parsing is tested without killing anything. The
+(:mod:`dynmo_hpc.handoff.rank_status`), so the parsing is tested without killing anything. The
 launchers word their reports differently; each pattern below matches one of them:
 
 * Open MPI 5 (``prterun``): "process rank 1 with PID 123 on node n1 exited on signal 9", "MPI_ABORT

@@ -25,11 +25,11 @@ from typing import Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
+from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.rundir import claim_run_dir, lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
-    ATTEMPT_ENV,
     JobOutcome,
     StepLaunch,
     StepResult,
@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What ``dynmo-hpc run`` turns into a clean stop of the ranks (checkpoint, then exit)."""
-
-LAUNCH_TIME_ENV = "DYNMO_LAUNCH_UNIX_S"
-"""Set for the ranks: when their launcher started them (Unix seconds), so rank 0 can measure
-the start-up a relaunch costs."""
 
 
 @dataclass(frozen=True)

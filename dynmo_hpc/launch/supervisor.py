@@ -3,7 +3,7 @@
 One loop serves ``dynmo-hpc run`` (local ``mpiexec``) and the SLURM manager alike; the backend
 only says how to start one step (:data:`RunStep`) and how to give nodes back (:data:`Shrink`).
 
-* A step that exits 0 with a resize request (:mod:`dynmo_hpc.launch.resize`) is followed by a
+* A step that exits 0 with a resize request (:mod:`dynmo_hpc.handoff.resize`) is followed by a
   shrink and a new, smaller step that resumes from the pack's checkpoint.
 * A step that fails (a rank killed by a signal, an aborted rank, a failed migration) is
   restarted from the newest complete checkpoint (or from the start when there is none yet), up
@@ -26,19 +26,16 @@ from typing import Any
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
-from dynmo_hpc.launch import rank_status
+from dynmo_hpc.handoff import rank_status
+from dynmo_hpc.handoff.failures import add_pending_failure
+from dynmo_hpc.handoff.resize import RESIZE_PHASES, resized_config, take_request
 from dynmo_hpc.launch.failure import StepFailure, describe_failure
-from dynmo_hpc.launch.resize import RESIZE_PHASES, resized_config, take_request
 from dynmo_hpc.launch.rundir import prepare_run_dir
 
 log = logging.getLogger(__name__)
 
-FAILURE_PENDING = "failure_pending.json"
-"""Failures the next step's rank 0 logs to the run log (removed once logged)."""
 MAX_STEPS = 256
 """Resizes plus restarts: a job that needs more MPI steps than this is looping: stop it."""
-ATTEMPT_ENV = "DYNMO_ATTEMPT"
-"""Set for the ranks: 0 for a job's first MPI step, then 1, 2, ... (fault injection fires at 0)."""
 
 
 @dataclass(frozen=True)
@@ -92,26 +89,6 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
         return None
 
 
-def take_pending_failures(run_dir: Path) -> list[dict[str, Any]]:
-    """The new step's rank 0: failures not yet in the run log (the file is removed)."""
-    path = run_dir / FAILURE_PENDING
-    try:
-        records = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    path.unlink(missing_ok=True)
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
-
-
-def _add_pending(run_dir: Path, record: dict[str, Any]) -> None:
-    path = run_dir / FAILURE_PENDING
-    try:
-        records = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        records = []
-    atomic_write_text(path, json.dumps([*records, record], indent=1))
-
-
 def supervise(
     cfg: JobConfig,
     run_step: RunStep,
@@ -150,22 +127,14 @@ def supervise(
         repeated = failure.same_as(failures[-1] if failures else None)
         failures.append(failure)
         record = {**failure.to_event(), "attempt": attempt, "unix_s": time.time()}
-        if restarts >= cfg.fault.max_restarts:
-            _add_pending(cfg.run_dir, {**record, "restarted": False})
-            why = f"fault.max_restarts={cfg.fault.max_restarts} restarts used"
-            return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
-        why = ""
-        if repeated:
-            why = "it failed the same way at the same step twice in a row"
-        elif not statuses:
-            why = "no rank started, so a restart would fail the same way"
+        why = _why_not_restart(cfg.fault.max_restarts, restarts, repeated, bool(statuses))
         if why:
-            _add_pending(cfg.run_dir, {**record, "restarted": False})
+            add_pending_failure(cfg.run_dir, {**record, "restarted": False})
             return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
         restarts += 1
         resume_from = newest_checkpoint(cfg.run_dir)
         restart_fresh = resume_from is None
-        _add_pending(
+        add_pending_failure(
             cfg.run_dir,
             {**record, "restarted": True, "restart": restarts, "from": str(resume_from or "")},
         )
@@ -177,6 +146,20 @@ def supervise(
         )
     log.error("the job needed more than %d MPI steps (resizes and restarts); stopping", MAX_STEPS)
     return JobOutcome(1, failures, restarts, gave_up=f"more than {MAX_STEPS} MPI steps")
+
+
+def _why_not_restart(
+    max_restarts: int, restarts: int, repeated: bool, any_rank_started: bool
+) -> str:
+    """Why a failed step is not restarted ("" when it is): the restarts are used up, it failed
+    the same way twice in a row, or no rank started."""
+    if restarts >= max_restarts:
+        return f"fault.max_restarts={max_restarts} restarts used"
+    if repeated:
+        return "it failed the same way at the same step twice in a row"
+    if not any_rank_started:
+        return "no rank started, so a restart would fail the same way"
+    return ""
 
 
 def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:

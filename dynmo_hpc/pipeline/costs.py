@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dynmo_hpc.report_cycle import smooth_costs
+
 
 @dataclass
 class IntervalAccumulator:
@@ -55,13 +57,7 @@ class CostTracker:
                 f"{len(forward_s)} forward and {len(backward_s)} backward costs"
             )
         latest = [f + b for f, b in zip(forward_s, backward_s, strict=True)]
-        if self.costs_s is None:
-            self.costs_s = latest
-        else:
-            a = self.smoothing
-            self.costs_s = [
-                a * new + (1 - a) * old for new, old in zip(latest, self.costs_s, strict=True)
-            ]
+        self.costs_s = smooth_costs(latest, self.costs_s, self.smoothing)
         return list(self.costs_s)
 
 

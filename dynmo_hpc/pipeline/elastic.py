@@ -20,6 +20,7 @@ import torch
 from dynmo_hpc.balance.packing import PackPlan, PackRequest, plan_pack
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline.costs import LoadReport
+from dynmo_hpc.placement import ranks_per_node
 
 ASSUMED_CHECKPOINT_BYTES_PER_S = 1e8
 """Write (and read) speed assumed for a checkpoint before one was measured: about what the
@@ -40,7 +41,7 @@ class AllocationShape:
 def allocation_shape(world_size: int, num_nodes: int, device: torch.device) -> AllocationShape:
     """The shape of this job (environment only; called on every rank alike)."""
     if os.environ.get("SLURM_JOB_ID"):
-        return AllocationShape(max(1, math.ceil(world_size / max(1, num_nodes))), None, True)
+        return AllocationShape(ranks_per_node(world_size, num_nodes), None, True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     slots = cores if device.type == "cpu" and cores else None
     return AllocationShape(1, slots, False)

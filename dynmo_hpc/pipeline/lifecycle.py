@@ -1,4 +1,4 @@
-"""What frames a rank's training run: its result, stop signals, fault injection, node count.
+"""What frames a rank's training run: its result, stop signals, phase watchdog, node count.
 
 Kept apart from the step loop (:mod:`dynmo_hpc.pipeline.trainer`) so each piece reads alone.
 """
@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,8 +19,9 @@ import numpy as np
 from mpi4py import MPI
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.launch.rank_status import RankStatus
-from dynmo_hpc.launch.supervisor import ATTEMPT_ENV, take_pending_failures
+from dynmo_hpc.handoff.failures import take_pending_failures
+from dynmo_hpc.handoff.rank_status import RankStatus
+from dynmo_hpc.pipeline.comm import host_name
 
 log = logging.getLogger(__name__)
 
@@ -81,89 +81,35 @@ class StopRequest:
 
 def count_nodes(comm: MPI.Comm) -> int:
     """Distinct nodes in the job (SLURM node names when present: all "nodes" may share a host)."""
-    name = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
-    return len(set(comm.allgather(name)))
+    return len(set(comm.allgather(host_name())))
 
 
-def inject_failure(mode: str, rank: int, step: int) -> None:
-    """Fault injection for tests (``runtime.fail_at_step``): fail the way ``mode`` says.
-
-    ``raise``: an exception (the job aborts with its traceback); ``sigterm``: SIGTERM to this
-    rank (the stop-and-checkpoint path); ``sigkill_job``: SIGKILL to the launcher's whole process
-    group, as a crashed node or an OOM kill would end the job, with no chance to save.
-    """
-    if mode == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    if mode == "sigkill_job":
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-
-
-class FaultPoints:
-    """The phases a rank passes through: recorded, watched for hangs, and fault injection.
+class PhaseTracker:
+    """The phases a rank passes through: recorded, and watched for hangs.
 
     :meth:`enter` records the phase in the rank's status file
-    (:mod:`dynmo_hpc.launch.rank_status`), so after a crash the supervisor can say where each
+    (:mod:`dynmo_hpc.handoff.rank_status`), so after a crash the supervisor can say where each
     rank was, and restarts the phase clock of a watchdog thread: a rank that stays longer than
     ``fault.phase_timeout_s`` in one phase after start-up (a peer died silently, or froze)
-    exits with code 124,
-    so the launcher ends the step and the supervisor restarts it. With ``fault.inject_step``
-    set, rank ``fault.inject_rank`` of a job's first MPI step fails as
-    ``fault.inject_action`` says at the first :meth:`strike` of ``fault.inject_phase`` at or
-    after that step: a real crash at a chosen moment, for the tests.
+    exits with code 124, so the launcher ends the step and the supervisor restarts it.
     """
 
-    def __init__(self, cfg: JobConfig, rank: int, run_dir: Path) -> None:
-        attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)
+    def __init__(self, rank: int, run_dir: Path, phase_timeout_s: float, attempt: int) -> None:
         self.status = RankStatus(run_dir, rank, attempt)
-        fault = cfg.fault
-        self.fault = fault
-        self.armed = fault.inject_step is not None and fault.inject_rank == rank and attempt == 0
         self.rank = rank
+        self.phase_timeout_s = phase_timeout_s
         self._phase, self._step, self._since = "start", -1, time.monotonic()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="phase-watchdog", daemon=True)
         self._watchdog.start()
 
     def enter(self, phase: str, step: int) -> None:
-        """This rank starts ``phase`` of ``step``; a ``step`` fault strikes here."""
+        """This rank starts ``phase`` of ``step``."""
         self._phase, self._step, self._since = phase, step, time.monotonic()
         self.status.update(phase, step)
-        if phase == "step":
-            self.strike(phase, step)
-
-    def strike(self, phase: str, step: int, chunk: np.ndarray | None = None) -> None:
-        """The point inside ``phase`` where an injected fault strikes this rank."""
-        f = self.fault
-        if not self.armed or phase != f.inject_phase or f.inject_step is None:
-            return
-        if step < f.inject_step:
-            return
-        if (f.inject_action == "corrupt") != (chunk is not None):
-            return  # a corruption needs a received chunk; a crash strikes before the exchange
-        if chunk is not None:
-            if chunk.size:
-                self.armed = False
-                chunk.view(np.uint8).reshape(-1)[0] ^= 0xFF
-                log.warning("fault injection: rank %d damaged a received chunk", self.rank)
-            return
-        signum = signal.SIGSTOP if f.inject_action == "hang" else getattr(signal, f.inject_signal)
-        log.warning(
-            "fault injection: rank %d sends itself %s in %s of step %d",
-            self.rank,
-            signal.Signals(signum).name,
-            phase,
-            step,
-        )
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stderr.flush()
-        self.armed = False
-        os.kill(os.getpid(), signum)
 
     def _watch(self) -> None:
-        timeout_s = self.fault.phase_timeout_s
+        timeout_s = self.phase_timeout_s
         while not self._stop.wait(min(1.0, timeout_s / 4)):
             stuck_s = time.monotonic() - self._since
             # Start-up (imports, a restore) has no peer to wait for: only later phases count.

@@ -2,15 +2,17 @@
 
 Why its own module: it is the one collective of the step loop that can change where layers run,
 with its rank-0 bookkeeping (run log, cost smoothing, the balancing and packing decisions, the
-bandwidth the decision rule learns); :class:`LoadReporting` is mixed into
-:class:`dynmo_hpc.pipeline.trainer.Trainer`, which owns the state it reads.
+bandwidth the decision rule learns). :class:`LoadReporter` owns that state (the partition in
+force, the smoothed costs, the report count, the learnt bandwidth, a pending pack) and is given
+everything else it uses when it is built; :class:`dynmo_hpc.pipeline.trainer.Trainer` calls
+:meth:`LoadReporter.report` after each report step and reads the state for its checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,8 @@ from dynmo_hpc.pipeline.costs import (
 )
 from dynmo_hpc.pipeline.device import peak_memory_bytes
 from dynmo_hpc.pipeline.elastic import PackController, pack_result_event
-from dynmo_hpc.pipeline.lifecycle import FaultPoints, TrainResult
+from dynmo_hpc.pipeline.fault_injection import FaultInjector
+from dynmo_hpc.pipeline.lifecycle import PhaseTracker, TrainResult
 from dynmo_hpc.pipeline.migration import MigrationStats, migrate
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.pipeline.stage import PipelineStage
@@ -34,53 +37,85 @@ from dynmo_hpc.pipeline.stage import PipelineStage
 log = logging.getLogger(__name__)
 
 
-class LoadReporting:
-    """The load-report half of the trainer (see the module docstring)."""
+@dataclass
+class ReportState:
+    """What the load reports carry from one to the next (and a checkpoint saves)."""
 
-    cfg: JobConfig
-    comm: MPI.Comm
-    migration_comm: MPI.Comm
-    rank: int
-    run_dir: Path
-    device: Any
-    faults: FaultPoints
-    pipeline_stage: PipelineStage
-    accumulator: IntervalAccumulator
-    tracker: CostTracker
-    packer: PackController
-    result: TrainResult
-    writer: Any
     parts: list[int]
-    start_step: int
-    num_reports: int
+    """The partition in force."""
+    tracker: CostTracker
+    """The smoothed per-layer costs."""
     bandwidth_bytes_per_s: float
-    pack_target: dict[str, Any] | None
-    pipeline_step_s: deque[float]
-    """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer and
-    gather without the load report or migration: the steady pace the packer's model predicts
-    (a migration is a one-off, and its time is in the logged step time)."""
+    """What the decision rule prices a migration with; learnt from each migration."""
+    num_reports: int = 0
+
+
+class LoadReporter:
+    """The load-report collective and rank 0's decisions (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        comm: MPI.Comm,
+        migration_comm: MPI.Comm,
+        stage: PipelineStage,
+        state: ReportState,
+        *,
+        phases: PhaseTracker,
+        faults: FaultInjector,
+        packer: PackController,
+        history: TrainResult,
+        start_step: int,
+    ) -> None:
+        """``history``: rank 0's per-step results (its tokens/s feed the packing decision);
+        ``start_step``: the first step of this launch (a pack's result is measured from it)."""
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = comm.rank
+        self.migration_comm = migration_comm
+        self.stage = stage
+        self.state = state
+        self.phases = phases
+        self.faults = faults
+        self.packer = packer
+        self.history = history
+        self.start_step = start_step
+        self.writer: Any = None
+        """Rank 0's run log, once the trainer opened it."""
+        self.accumulator = IntervalAccumulator()
+        self.pack_target: dict[str, Any] | None = None
+        """Set on every rank when rank 0 decided to pack: the stage count and partition."""
+        self.pipeline_step_s: deque[float] = deque(maxlen=cfg.balance.interval)
+        """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer
+        and gather without the load report or migration: the steady pace the packer's model
+        predicts (a migration is a one-off, and its time is in the logged step time)."""
+
+    @property
+    def parts(self) -> list[int]:
+        return self.state.parts
 
     def _pack_result(self, step: int) -> None:
         """Rank 0, first report after a pack: the measured throughput beside the prediction."""
         predicted, self.packer.predicted_tokens_per_s = self.packer.predicted_tokens_per_s, None
-        detail = pack_result_event(predicted, self.result.tokens_per_s[self.start_step :])
+        detail = pack_result_event(predicted, self.history.tokens_per_s[self.start_step :])
         if detail is not None:
             self.writer.log_event(step=step, kind="pack_result", detail=detail)
 
-    def _load_report(self, step: int) -> None:
+    def report(self, step: int) -> None:
         """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate.
 
-        Runs inside the step it reports on (:meth:`Trainer.step`), so that step's time includes
-        it; rank 0 flushes the run log once the step's row is written."""
+        Runs inside the step it reports on (:meth:`dynmo_hpc.pipeline.trainer.Trainer.step`),
+        so that step's time includes it; rank 0 flushes the run log once the step's row is
+        written."""
         forward_s, backward_s = self.accumulator.mean_per_step()
         mine = RankReport(
             forward_s=forward_s,
             backward_s=backward_s,
-            sizes=self.pipeline_stage.layer_sizes(),
-            peak_mem_bytes=peak_memory_bytes(self.device),
+            sizes=self.stage.layer_sizes(),
+            peak_mem_bytes=peak_memory_bytes(self.stage.device),
         )
-        self.faults.enter("load_report", step)
-        self.faults.strike("load_report", step)
+        self.phases.enter("load_report", step)
+        self.faults.at("load_report", step)
         gathered = self.comm.gather(mine, root=0)
         plan_parts: list[int] | None = None
         pack_target: dict[str, Any] | None = None
@@ -92,38 +127,38 @@ class LoadReporting:
                 plan_parts = None  # the layers move through the pack's checkpoint instead
             self._pack_result(step)
         new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
-        self.num_reports += 1
+        self.state.num_reports += 1
         if new_parts is not None:
-            self.faults.enter("migration", step)
-            self.faults.strike("migration", step)  # its peers are inside the exchange
+            self.phases.enter("migration", step)
+            self.faults.at("migration", step)  # its peers are inside the exchange
             stats = migrate(
-                self.pipeline_stage,
+                self.stage,
                 self.migration_comm,
                 new_parts,
-                on_chunk=lambda _item, _k, chunk: self.faults.strike("migration", step, chunk),
+                on_chunk=self.faults.chunk_hook(step),
             )
             totals = self.comm.gather(stats, root=0)
-            self.parts = list(new_parts)
+            self.state.parts = list(new_parts)
             if self.rank == 0:
                 self._record_migration(step, totals)
 
     def _consider_pack(self, report: LoadReport) -> dict[str, Any] | None:
         """Rank 0: the packing decision (logged); the target stage count and partition, or None."""
         recent = list(self.pipeline_step_s)
-        costs_s = self.tracker.costs_s
+        costs_s = self.state.tracker.costs_s
         if costs_s is None:
             return None
         plan = self.packer.consider(
             report,
             costs_s,
             self.parts,
-            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            bandwidth_bytes_per_s=self.state.bandwidth_bytes_per_s,
             measured_step_s=float(np.median(recent)) if recent else None,
         )
         if plan is None:
             return None
         detail = plan.to_event()
-        recent_tps = self.result.tokens_per_s[-self.cfg.balance.interval :]
+        recent_tps = self.history.tokens_per_s[-self.cfg.balance.interval :]
         detail["measured_tokens_per_s_before"] = (
             float(np.median(recent_tps)) if recent_tps else None
         )
@@ -142,7 +177,7 @@ class LoadReporting:
         # bandwidth it learns is exactly that ratio, as this migration achieved it.
         busiest = max(t.bytes_sent + t.bytes_received for t in totals)
         if busiest and seconds > 0:
-            self.bandwidth_bytes_per_s = busiest / seconds
+            self.state.bandwidth_bytes_per_s = busiest / seconds
         self.writer.log_event(
             step=step,
             kind="migrate",
@@ -176,7 +211,7 @@ class LoadReporting:
             parts=self.parts,
             peak_mem_bytes=report.peak_mem_bytes,
         )
-        costs_s = self.tracker.update(report.forward_s, report.backward_s)
+        costs_s = self.state.tracker.update(report.forward_s, report.backward_s)
         if self.cfg.balance.algorithm == "static" or report.step + 1 >= self.cfg.train.steps:
             return None  # static, or after the last step: a migration could not pay back
         plan = decide(
@@ -184,8 +219,8 @@ class LoadReporting:
             report,
             costs_s=costs_s,
             parts=self.parts,
-            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            report_index=self.num_reports,
+            bandwidth_bytes_per_s=self.state.bandwidth_bytes_per_s,
+            report_index=self.state.num_reports,
             steps_left=self.cfg.train.steps - (report.step + 1),
         )
         if plan.enact:

@@ -19,9 +19,7 @@ import importlib
 import json
 import logging
 import math
-import os
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -32,32 +30,30 @@ from mpi4py import MPI
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.launch.local import LAUNCH_TIME_ENV
-from dynmo_hpc.launch.resize import take_phases, write_request
+from dynmo_hpc.handoff import env
+from dynmo_hpc.handoff.resize import take_phases, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, resume
 from dynmo_hpc.pipeline.comm import make_link
-from dynmo_hpc.pipeline.costs import (
-    CostTracker,
-    IntervalAccumulator,
-)
+from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
 from dynmo_hpc.pipeline.elastic import PackController, resize_event
+from dynmo_hpc.pipeline.fault_injection import make_injector
 from dynmo_hpc.pipeline.lifecycle import (
-    FaultPoints,
+    PhaseTracker,
     StopRequest,
     TrainResult,
     count_nodes,
-    inject_failure,
     log_failures,
     log_progress,
 )
-from dynmo_hpc.pipeline.load_report import LoadReporting
+from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
 from dynmo_hpc.pipeline.migration import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
+from dynmo_hpc.report_cycle import is_report_step
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +65,52 @@ def initial_partition(cfg: JobConfig) -> list[int]:
     return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
 
 
-class Trainer(LoadReporting):
-    """Owns one rank's stage, the step loop and rank 0's reporting."""
+def _check_world_size(cfg: JobConfig, comm: MPI.Comm) -> None:
+    num_stages = cfg.pipeline.num_stages
+    if comm.size != num_stages:
+        raise RuntimeError(
+            f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
+            f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
+        )
+
+
+def _shared_run_state(
+    cfg: JobConfig, comm: MPI.Comm, resume_from: Path | None
+) -> dict[str, Any] | None:
+    """The run state of the checkpoint resumed from (None for a fresh start); collective: rank
+    0 verifies the checkpoint (reads every file once) and shares the state."""
+    if resume_from is None:
+        return None
+    checked = resume.checked_resume_dir(cfg, resume_from) if comm.rank == 0 else None
+    state: dict[str, Any] | None = comm.bcast(checked[1] if checked else None, root=0)
+    assert state is not None
+    return state
+
+
+def _restored_history(state: dict[str, Any] | None) -> TrainResult:
+    """Rank 0's per-step results so far: the checkpoint's, or none."""
+    result = TrainResult()
+    if state is not None:
+        history = state.get("history", {})
+        result.losses = list(history.get("losses", []))
+        result.tokens_per_s = list(history.get("tokens_per_s", []))
+        result.step_time_s = list(history.get("step_time_s", []))
+    return result
+
+
+class Trainer:
+    """One rank's training run, built from collaborators with explicit inputs.
+
+    - the stage (:class:`~dynmo_hpc.pipeline.stage.PipelineStage`) runs the schedule;
+    - the load reporter (:class:`~dynmo_hpc.pipeline.load_report.LoadReporter`) owns the
+      partition, the smoothed costs and the balancing and packing decisions;
+    - the phase tracker and the fault injector (null unless a test configured one) mark the
+      named phases;
+    - the pack controller (:class:`~dynmo_hpc.pipeline.elastic.PackController`) and the
+      checkpoint writer (:mod:`.resume`) serve the elastic and restart paths.
+
+    The trainer itself runs the step loop and rank 0's per-step log.
+    """
 
     def __init__(
         self,
@@ -82,47 +122,26 @@ class Trainer(LoadReporting):
         restart: bool = False,
     ) -> None:
         """``restart``: a restart after a failure that left no checkpoint (starts over)."""
-        num_stages = cfg.pipeline.num_stages
-        if comm.size != num_stages:
-            raise RuntimeError(
-                f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
-                f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
-            )
+        _check_world_size(cfg, comm)
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank
         self.run_dir = run_dir
-        self.faults = FaultPoints(cfg, self.rank, run_dir)
-        self.faults.enter("start", -1)
+        attempt = env.attempt()
+        self.phases = PhaseTracker(self.rank, run_dir, cfg.fault.phase_timeout_s, attempt)
+        self.faults = make_injector(cfg.fault, self.rank, attempt)
+        self.phases.enter("start", -1)
         self.num_nodes = count_nodes(comm)
         torch.set_num_threads(cfg.runtime.threads_per_rank)
         self.device = pick_device(cfg.runtime.device)
-        self.dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
-        state: dict[str, Any] | None = None
         # torch.optim imports torch._dynamo when the first optimizer is built (2-3 s of CPU
         # here): every run pays it once, so pay it before the restore clock starts.
         importlib.import_module("torch._dynamo")
-
         restore_t0 = time.perf_counter()
-        if resume_from is not None:
-            # Rank 0 verifies (reads every file once) and shares the run state.
-            checked = resume.checked_resume_dir(cfg, resume_from) if self.rank == 0 else None
-            state = comm.bcast(checked[1] if checked else None, root=0)
-            assert state is not None
-            self.parts = resume.resume_partition(cfg, state)
-        else:
-            self.parts = initial_partition(cfg)
+        state = _shared_run_state(cfg, comm, resume_from)
+        parts = resume.resume_partition(cfg, state) if state else initial_partition(cfg)
         self.start_step = int(state["step"]) if state else 0
-        self.link = make_link(cfg.runtime.p2p, comm, self.rank, num_stages, self.device)
-        self.pipeline_stage = PipelineStage(
-            cfg,
-            self.rank,
-            self.parts,
-            self.link,
-            self.dataset,
-            self.device,
-            build_layers=resume_from is None,
-        )
+        self.pipeline_stage = self._build_stage(parts, resume_from is None)
         restore_s = 0.0
         if resume_from is not None:
             restore_s = resume.restore_layers(self.pipeline_stage, resume_from, comm, restore_t0)
@@ -131,57 +150,96 @@ class Trainer(LoadReporting):
         if resume_from is not None:
             self.schemes.resume(self.pipeline_stage.slots, comm.allgather)
             self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
-        self.migration_comm = comm.Dup()
-        self.accumulator = IntervalAccumulator()
-        self.tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
-        self.num_reports = 0
-        self.pipeline_step_s = deque(maxlen=cfg.balance.interval)
-        self.bandwidth_bytes_per_s = (
-            measure_bandwidth(self.migration_comm) if cfg.balance.algorithm != "static" else 0.0
-        )
-        self.result = TrainResult()
-        if state is not None:
-            balancer = state.get("balancer", {})
-            self.tracker.costs_s = balancer.get("costs_s")
-            self.num_reports = int(balancer.get("num_reports", 0))
-            history = state.get("history", {})
-            self.result.losses = list(history.get("losses", []))
-            self.result.tokens_per_s = list(history.get("tokens_per_s", []))
-            self.result.step_time_s = list(history.get("step_time_s", []))
+        self.result = _restored_history(state)
+        self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
+        self.reporter = self._build_reporter(parts, state)
         self.last_checkpoint_monotonic = time.monotonic()
         self.writer: Any = None
         if self.rank == 0:
-            restart_info = None
-            if resume_from is not None and state is not None:
-                restart_info = {
-                    "checkpoint": str(resume_from),
-                    "checkpoint_step": self.start_step,
-                    "restore_s": restore_s,
-                    "parts": self.parts,
-                    "saved_parts": state["parts"],
-                }
-            elif restart:
-                restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
-                log.info(
-                    "resumed from %s (step %d) in %.2f s on partition %s",
-                    resume_from,
-                    self.start_step,
-                    restore_s,
-                    self.parts,
-                )
-            self.writer = self._open_runlog(restart_info)
-            log_failures(self.writer, run_dir)
-            if resume_from is not None:
-                self._log_skipped_checkpoints(resume_from)
-        self.pack_target: dict[str, Any] | None = None
-        """Set on every rank when rank 0 decided to pack: the stage count and partition."""
-        self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
-        launch_unix_s = float(os.environ.get(LAUNCH_TIME_ENV, "nan"))
-        if self.rank == 0:
-            if math.isfinite(launch_unix_s):
-                self.packer.startup_s = time.time() - launch_unix_s
-            if resume_from is not None:
-                self._log_resize(restore_s)
+            self._start_rank0_log(resume_from, state, restore_s, restart=restart)
+
+    def _build_stage(self, parts: list[int], build_layers: bool) -> PipelineStage:
+        """This rank's stage on ``parts``, linked to its neighbours (layers built unless they
+        come from a checkpoint)."""
+        cfg = self.cfg
+        link = make_link(
+            cfg.runtime.p2p, self.comm, self.rank, cfg.pipeline.num_stages, self.device
+        )
+        dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+        return PipelineStage(
+            cfg, self.rank, parts, link, dataset, self.device, build_layers=build_layers
+        )
+
+    def _build_reporter(self, parts: list[int], state: dict[str, Any] | None) -> LoadReporter:
+        """The load reporter, its bandwidth measured (collective) and its state restored."""
+        cfg = self.cfg
+        migration_comm = self.comm.Dup()
+        bandwidth = measure_bandwidth(migration_comm) if cfg.balance.algorithm != "static" else 0.0
+        tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
+        balancer = state.get("balancer", {}) if state else {}
+        tracker.costs_s = balancer.get("costs_s")
+        report_state = ReportState(
+            parts=parts,
+            tracker=tracker,
+            bandwidth_bytes_per_s=bandwidth,
+            num_reports=int(balancer.get("num_reports", 0)),
+        )
+        return LoadReporter(
+            cfg,
+            self.comm,
+            migration_comm,
+            self.pipeline_stage,
+            report_state,
+            phases=self.phases,
+            faults=self.faults,
+            packer=self.packer,
+            history=self.result,
+            start_step=self.start_step,
+        )
+
+    @property
+    def parts(self) -> list[int]:
+        """The partition in force (the load reporter owns it)."""
+        return self.reporter.parts
+
+    def _start_rank0_log(
+        self,
+        resume_from: Path | None,
+        state: dict[str, Any] | None,
+        restore_s: float,
+        *,
+        restart: bool,
+    ) -> None:
+        """Rank 0: open the run log (appending after a resume or restart) and log how this
+        launch started: the failures before it, skipped checkpoints, a resize."""
+        restart_info = None
+        if resume_from is not None and state is not None:
+            restart_info = {
+                "checkpoint": str(resume_from),
+                "checkpoint_step": self.start_step,
+                "restore_s": restore_s,
+                "parts": self.parts,
+                "saved_parts": state["parts"],
+            }
+        elif restart:
+            restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
+            log.info(
+                "resumed from %s (step %d) in %.2f s on partition %s",
+                resume_from,
+                self.start_step,
+                restore_s,
+                self.parts,
+            )
+        self.writer = self._open_runlog(restart_info)
+        self.reporter.writer = self.writer
+        log_failures(self.writer, self.run_dir)
+        if resume_from is not None:
+            self._log_skipped_checkpoints(resume_from)
+        launched_unix_s = env.launch_unix_s()
+        if math.isfinite(launched_unix_s):
+            self.packer.startup_s = time.time() - launched_unix_s
+        if resume_from is not None:
+            self._log_resize(restore_s)
 
     # ------------------------------------------------------------------ rank-0 reporting
     def _open_runlog(self, restart: dict[str, Any] | None) -> Any:
@@ -231,15 +289,16 @@ class Trainer(LoadReporting):
 
     def _resize(self, step: int) -> None:
         """Every rank: checkpoint for the pack; rank 0 asks the manager for the resize."""
-        assert self.pack_target is not None
+        target = self.reporter.pack_target
+        assert target is not None
         directory = self.save_checkpoint(step + 1)
         if self.rank == 0:
             write_request(
                 self.run_dir,
                 {
-                    **self.pack_target,
-                    "num_stages": self.pack_target["to_stages"],
-                    "parts": self.pack_target["parts"],
+                    **target,
+                    "num_stages": target["to_stages"],
+                    "parts": target["parts"],
                     "step": step + 1,
                     "checkpoint": str(directory),
                     "checkpoint_s": self.packer.last_checkpoint_s,
@@ -249,7 +308,7 @@ class Trainer(LoadReporting):
             log.warning(
                 "packing %d -> %d stages after step %d: checkpoint %s, ending this MPI step",
                 self.cfg.pipeline.num_stages,
-                self.pack_target["to_stages"],
+                target["to_stages"],
                 step + 1,
                 directory,
             )
@@ -260,14 +319,13 @@ class Trainer(LoadReporting):
         logged time and tokens/s span both, since the next step waits for them."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.faults.enter("step", step)
-        if cfg.runtime.fail_at_step == step and self.rank == cfg.runtime.fail_rank:
-            inject_failure(cfg.runtime.fail_mode, self.rank, step)
+        self.phases.enter("step", step)
+        self.faults.at("step", step)
         actions = build_schedule(
             cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
         )
         stats = self.pipeline_stage.run_schedule(step, actions)
-        self.accumulator.add(stats.forward_s, stats.backward_s)
+        self.reporter.accumulator.add(stats.forward_s, stats.backward_s)
 
         sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
         for slot in self.pipeline_stage.slots:
@@ -282,10 +340,10 @@ class Trainer(LoadReporting):
         gathered = self.comm.gather(
             (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
         )
-        self.pipeline_step_s.append(time.perf_counter() - t0)
-        reported = (step + 1) % cfg.balance.interval == 0 or step + 1 == cfg.train.steps
+        self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
+        reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
         if reported:
-            self._load_report(step)
+            self.reporter.report(step)
         step_time_s = time.perf_counter() - t0
         if self.rank == 0:
             loss = sum(g[0] for g in gathered)
@@ -314,72 +372,92 @@ class Trainer(LoadReporting):
         return stats
 
     def train(self) -> TrainResult:
-        cfg = self.cfg
+        """Run the remaining steps; rank 0's result (other ranks return an empty one).
+
+        Ends after ``train.steps``, after a stop signal (with a checkpoint), or after a pack's
+        checkpoint (the next MPI step carries on: no result, no final checkpoint)."""
         if self.rank == 0:
-            log.info(
-                "training %s: %d layers on %d stages %s, %d steps x %d microbatches of %d x %d",
-                cfg.job.name,
-                cfg.model.num_layers,
-                cfg.pipeline.num_stages,
-                self.parts,
-                cfg.train.steps,
-                cfg.train.num_microbatches,
-                cfg.train.micro_batch_size,
-                cfg.model.seq_len,
-            )
+            self._log_start()
         stop = StopRequest()
         try:
-            last_step = cfg.train.steps
-            saved_step = -1
-            resized = False
-            for step in range(self.start_step, cfg.train.steps):
-                self.step(step)
-                # One collective per step: any rank's stop signal, rank 0's checkpoint clock.
-                flags = np.array([stop.signum, self._minutes_due()], dtype=np.int64)
-                self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-                if flags[0]:
-                    last_step = step + 1
-                    self._preempted(step, int(flags[0]))
-                    break
-                if self.pack_target is not None:
-                    self._resize(step)
-                    resized = True
-                    break
-                every = cfg.checkpoint.every_steps
-                if step + 1 < cfg.train.steps and ((every and (step + 1) % every == 0) or flags[1]):
-                    self.save_checkpoint(step + 1)
-                    saved_step = step + 1
-            if resized:  # the next MPI step carries on: no result, no final checkpoint
+            last_step, saved_step, resized = self._run_steps(stop)
+            if resized:
                 stop.restore()
-                self.faults.close()
+                self.phases.close()
                 if self.writer is not None:
                     self.writer.close(status="resize")
                 return self.result
-            if (cfg.checkpoint.at_end or last_step < cfg.train.steps) and saved_step != last_step:
-                self.save_checkpoint(last_step)
-            self.result.parts = list(self.parts)
-            self.result.completed_steps = last_step
-            self.result.num_steps = cfg.train.steps
-            if self.rank == 0:
-                atomic_write_text(
-                    self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
-                )
+            self._finish(last_step, saved_step)
         except BaseException as exc:
             stop.restore()
-            if self.writer is not None:
-                self.writer.log_event(
-                    step=len(self.result.losses),
-                    kind="error",
-                    detail={"type": type(exc).__name__, "message": str(exc)[:2000]},
-                )
-                self.writer.close(status="error")
-                self.writer = None
+            self._log_error(exc)
             raise
         stop.restore()
-        self.faults.close()
+        self.phases.close()
         if self.writer is not None:
             self.writer.close()
         return self.result
+
+    def _run_steps(self, stop: StopRequest) -> tuple[int, int, bool]:
+        """The step loop with its periodic checkpoints; returns the steps completed, the step
+        of the last checkpoint written (-1: none) and whether it ended for a pack."""
+        cfg = self.cfg
+        last_step, saved_step = cfg.train.steps, -1
+        for step in range(self.start_step, cfg.train.steps):
+            self.step(step)
+            # One collective per step: any rank's stop signal, rank 0's checkpoint clock.
+            flags = np.array([stop.signum, self._minutes_due()], dtype=np.int64)
+            self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+            if flags[0]:
+                self._preempted(step, int(flags[0]))
+                return step + 1, saved_step, False
+            if self.reporter.pack_target is not None:
+                self._resize(step)
+                return last_step, saved_step, True
+            every = cfg.checkpoint.every_steps
+            if step + 1 < cfg.train.steps and ((every and (step + 1) % every == 0) or flags[1]):
+                self.save_checkpoint(step + 1)
+                saved_step = step + 1
+        return last_step, saved_step, False
+
+    def _finish(self, last_step: int, saved_step: int) -> None:
+        """The final checkpoint (unless just written) and rank 0's ``result.json``."""
+        cfg = self.cfg
+        if (cfg.checkpoint.at_end or last_step < cfg.train.steps) and saved_step != last_step:
+            self.save_checkpoint(last_step)
+        self.result.parts = list(self.parts)
+        self.result.completed_steps = last_step
+        self.result.num_steps = cfg.train.steps
+        if self.rank == 0:
+            atomic_write_text(
+                self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
+            )
+
+    def _log_start(self) -> None:
+        cfg = self.cfg
+        log.info(
+            "training %s: %d layers on %d stages %s, %d steps x %d microbatches of %d x %d",
+            cfg.job.name,
+            cfg.model.num_layers,
+            cfg.pipeline.num_stages,
+            self.parts,
+            cfg.train.steps,
+            cfg.train.num_microbatches,
+            cfg.train.micro_batch_size,
+            cfg.model.seq_len,
+        )
+
+    def _log_error(self, exc: BaseException) -> None:
+        """Rank 0: the error that ends the run, as the run log's last event."""
+        if self.writer is None:
+            return
+        self.writer.log_event(
+            step=len(self.result.losses),
+            kind="error",
+            detail={"type": type(exc).__name__, "message": str(exc)[:2000]},
+        )
+        self.writer.close(status="error")
+        self.writer = None
 
     def _minutes_due(self) -> int:
         """1 if rank 0's clock says a time-based checkpoint is due (other ranks say 0)."""
@@ -404,6 +482,7 @@ class Trainer(LoadReporting):
     def run_state(self, step: int) -> dict[str, Any]:
         """Rank 0: the run's state after ``step`` completed steps (see :mod:`.resume`)."""
         cfg = self.cfg
+        report = self.reporter.state
         return {
             "step": step,
             "num_stages": cfg.pipeline.num_stages,
@@ -416,11 +495,11 @@ class Trainer(LoadReporting):
             "rng": {"seed": cfg.job.seed, "stateful_generators": []},
             "schemes": self.schemes.run_state(),
             "balancer": {
-                "costs_s": self.tracker.costs_s,
-                "num_reports": self.num_reports,
+                "costs_s": report.tracker.costs_s,
+                "num_reports": report.num_reports,
                 # None, not Infinity, for one rank (no link): strict JSON
-                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s
-                if math.isfinite(self.bandwidth_bytes_per_s)
+                "bandwidth_bytes_per_s": report.bandwidth_bytes_per_s
+                if math.isfinite(report.bandwidth_bytes_per_s)
                 else None,
             },
             "history": {
@@ -433,7 +512,7 @@ class Trainer(LoadReporting):
     def save_checkpoint(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
         state = self.run_state(step) if self.rank == 0 else None
-        self.faults.enter("checkpoint", step - 1)
+        self.phases.enter("checkpoint", step - 1)
         directory, seconds, num_bytes = resume.save(
             self.comm,
             self.run_dir,
@@ -441,7 +520,7 @@ class Trainer(LoadReporting):
             self.pipeline_stage,
             self.cfg.checkpoint.keep,
             state,
-            after_files=lambda: self.faults.strike("checkpoint", step - 1),
+            after_files=self.faults.hook("checkpoint", step - 1),
         )
         self.last_checkpoint_monotonic = time.monotonic()
         if self.rank == 0:

@@ -264,19 +264,11 @@ def _per_node(env: Mapping[str, str], name: str, num_nodes: int) -> tuple[int, .
     return tuple(counts)
 
 
-def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
-    """Read the job environment from ``environ`` (default ``os.environ``).
-
-    Raises:
-        SlurmEnvError: outside a job, or when a variable is malformed or inconsistent.
-    """
-    env = os.environ if environ is None else environ
-    job_id = _get_int(env, "SLURM_JOB_ID", "SLURM_JOBID")
-    if job_id is None:
-        raise SlurmEnvError(
-            "SLURM_JOB_ID is not set: this process is not inside a SLURM job. "
-            "HINT: submit with sbatch (dynmo-hpc submit) or run under salloc/srun"
-        )
+def _node_lists(
+    env: Mapping[str, str], job_id: int
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    """The job's node list, checked against its declared count, and the step's (None outside
+    a step)."""
     node_spec = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not node_spec:
         raise SlurmEnvError(
@@ -295,7 +287,14 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
             f"SLURM_JOB_NUM_NODES={declared} but SLURM_JOB_NODELIST={node_spec!r} names "
             f"{num_nodes} nodes. HINT: after a shrink, source slurm_job_{job_id}_resize.sh"
         )
-    cpus_per_node = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", num_nodes)
+    return node_list, step_node_list
+
+
+def _tasks(
+    env: Mapping[str, str], num_nodes: int, step_node_list: tuple[str, ...] | None
+) -> tuple[tuple[int, ...] | None, int | None]:
+    """Tasks per node and in all: of the step inside a step, else of the job; checked to
+    agree."""
     if step_node_list:
         tasks_var, count_var = "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS"
         tasks_per_node = _per_node(env, tasks_var, len(step_node_list))
@@ -310,6 +309,11 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
             f"{count_var}={num_tasks}. "
             "HINT: after a shrink, source the resize script, which unsets both"
         )
+    return tasks_per_node, num_tasks
+
+
+def _array_ids(env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """The array job and task ids: both or neither."""
     array_job_id = _get_int(env, "SLURM_ARRAY_JOB_ID")
     array_task_id = _get_int(env, "SLURM_ARRAY_TASK_ID")
     if (array_job_id is None) != (array_task_id is None):
@@ -317,6 +321,27 @@ def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
             "only one of SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID is set. "
             "HINT: SLURM sets both for array tasks and neither otherwise"
         )
+    return array_job_id, array_task_id
+
+
+def read_slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv:
+    """Read the job environment from ``environ`` (default ``os.environ``).
+
+    Raises:
+        SlurmEnvError: outside a job, or when a variable is malformed or inconsistent.
+    """
+    env = os.environ if environ is None else environ
+    job_id = _get_int(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    if job_id is None:
+        raise SlurmEnvError(
+            "SLURM_JOB_ID is not set: this process is not inside a SLURM job. "
+            "HINT: submit with sbatch (dynmo-hpc submit) or run under salloc/srun"
+        )
+    node_list, step_node_list = _node_lists(env, job_id)
+    num_nodes = len(node_list)
+    cpus_per_node = _per_node(env, "SLURM_JOB_CPUS_PER_NODE", num_nodes)
+    tasks_per_node, num_tasks = _tasks(env, num_nodes, step_node_list)
+    array_job_id, array_task_id = _array_ids(env)
     proc_id = _get_int(env, "SLURM_PROCID")
     if proc_id is not None and num_tasks is not None and not 0 <= proc_id < num_tasks:
         raise SlurmEnvError(

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.launch.manager import ActiveStep, run_manager
 from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.slurm.manager import ActiveStep, run_manager
 from dynmo_hpc.slurm.scheduler import SubmitError
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ What SLURM allows (verified on the test cluster, docs/slurm.md): ``scontrol upda
 NodeList=<nodes kept>`` shrinks a running job; the released nodes are idle at once and other
 jobs run on them. The node running the batch script cannot be released, so it is always kept.
 Any step still running on a released node is killed, so the MPI step must have ended first
-(:mod:`dynmo_hpc.launch.resize`). ``scontrol`` then writes ``slurm_job_<id>_resize.sh``,
+(:mod:`dynmo_hpc.handoff.resize`). ``scontrol`` then writes ``slurm_job_<id>_resize.sh``,
 which re-exports the node list and counts and unsets the task counts; :func:`resized_env` does
 the same for the manager's own environment, so the next ``srun`` sees the smaller job.
 

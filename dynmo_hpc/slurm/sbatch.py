@@ -68,7 +68,7 @@ def render_sbatch(
     python: str = "python",
     extra_sbatch: Sequence[str] = (),
 ) -> str:
-    """The sbatch script that runs ``python -m dynmo_hpc.launch.manager CONFIG`` in the allocation.
+    """The sbatch script that runs ``python -m dynmo_hpc.slurm.manager CONFIG`` in the allocation.
 
     Args:
         job_name: ``--job-name``; also names the log files ``<output_dir>/<job_name>-<id>.out``.

@@ -8,7 +8,7 @@ The contract (the rendered-sbatch path, ``dynmo-hpc sbatch``, keeps the same one
   partition, too many nodes, or more CPUs, memory or GPUs per node than the nodes have is an
   error that lists what is valid. A bad job never waits in a queue only to be rejected.
 * **The job manager runs once in the allocation** (submitit's ``use_srun=False``) while the job
-  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.launch.manager`).
+  holds all its nodes; it starts the ranks as one MPI step (:mod:`dynmo_hpc.slurm.manager`).
 * **Status:** :func:`wait_for_job` returns the final scheduler state (``COMPLETED``,
   ``FAILED``, ``TIMEOUT``, ...) from sacct; ``job.paths.stdout``/``stderr`` are the logs.
 * **Cancel:** ``job.cancel()``.
@@ -327,23 +327,7 @@ def submit(
     import submitit
 
     data, source = load_job(config_or_path, overrides, slurm_options)
-    if sweep:
-        configs = sweep_configs(data, sweep, source)
-    else:
-        configs = [config_mod.from_dict(data, source=source)]
-    configs = [resolve_for_cluster(c) for c in configs]
-    for cfg in configs:
-        preflight.check_job(cfg, for_slurm=True)
-    params = [executor_parameters(c) for c in configs]
-    for cfg, p in zip(configs[1:], params[1:], strict=True):
-        differs = {k for k in p if k != "job_name" and p[k] != params[0].get(k)}
-        if differs:
-            raise config_mod.ConfigError(
-                f"sweep point {cfg.job.name!r} changes the allocation ({', '.join(sorted(differs))}"
-                "); the tasks of a job array share one allocation size. HINT: submit separate "
-                "jobs for different node counts or resources"
-            )
-    check_fits_cluster(configs[0], query_partitions())
+    configs = _checked_configs(data, source, sweep)
 
     base_name = str((data.get("job") or {}).get("name", config_mod.JobSection().name))
     if folder is None:
@@ -376,6 +360,31 @@ def submit(
         submitit.SlurmJob(folder=executor.folder, job_id=j.job_id, tasks=(0,)) for j in jobs
     ]
     return single if sweep else single[0]
+
+
+def _checked_configs(
+    data: dict[str, Any], source: str, sweep: Mapping[str, Sequence[Any]] | None
+) -> list[config_mod.JobConfig]:
+    """The job (or each sweep point) resolved for the cluster and checked before anything is
+    submitted: preflight, one allocation size for all sweep points, and it fits the cluster."""
+    if sweep:
+        configs = sweep_configs(data, sweep, source)
+    else:
+        configs = [config_mod.from_dict(data, source=source)]
+    configs = [resolve_for_cluster(c) for c in configs]
+    for cfg in configs:
+        preflight.check_job(cfg, for_slurm=True)
+    params = [executor_parameters(c) for c in configs]
+    for cfg, p in zip(configs[1:], params[1:], strict=True):
+        differs = {k for k in p if k != "job_name" and p[k] != params[0].get(k)}
+        if differs:
+            raise config_mod.ConfigError(
+                f"sweep point {cfg.job.name!r} changes the allocation ({', '.join(sorted(differs))}"
+                "); the tasks of a job array share one allocation size. HINT: submit separate "
+                "jobs for different node counts or resources"
+            )
+    check_fits_cluster(configs[0], query_partitions())
+    return configs
 
 
 def wait_for_job(

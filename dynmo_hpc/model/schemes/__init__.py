@@ -50,6 +50,7 @@ from dynmo_hpc.model.schemes.registry import (
     unregister,
 )
 from dynmo_hpc.model.schemes.sparse_attention import SparseAttentionScheme
+from dynmo_hpc.report_cycle import is_report_step
 
 __all__ = [
     "BUILTIN_SCHEMES",
@@ -186,7 +187,7 @@ class SchemeController:
 
     def is_report_step(self, step: int) -> bool:
         """Scheme statistics are gathered with the trainer's load reports."""
-        return (step + 1) % self.cfg.balance.interval == 0 or step + 1 == self.cfg.train.steps
+        return is_report_step(step, self.cfg.balance.interval, self.cfg.train.steps)
 
     def step_end(
         self, step: int, slots: Sequence[Slot], allgather: AllGather

@@ -1,6 +1,6 @@
 """The job manager: runs once inside a SLURM allocation and starts the training ranks.
 
-``python -m dynmo_hpc.launch.manager JOB.yaml`` is what the sbatch template ``exec``s and what
+``python -m dynmo_hpc.slurm.manager JOB.yaml`` is what the sbatch template ``exec``s and what
 :func:`dynmo_hpc.submit` runs through submitit (with ``use_srun=False``, so it runs once, in the
 batch script, while the job holds all its nodes). It checks the allocation against the job (one
 rank per pipeline stage), writes the resolved config into the run directory, and starts the ranks
@@ -21,18 +21,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.packing import nodes_for
 from dynmo_hpc.errors import ConfigError, LaunchError
+from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.launch import preflight
-from dynmo_hpc.launch.local import LAUNCH_TIME_ENV, worker_argv
+from dynmo_hpc.launch.local import worker_argv
 from dynmo_hpc.launch.rundir import lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
-    ATTEMPT_ENV,
     JobOutcome,
     StepLaunch,
     StepResult,
@@ -40,6 +41,7 @@ from dynmo_hpc.launch.supervisor import (
     supervise,
 )
 from dynmo_hpc.logging_utils import setup_logging
+from dynmo_hpc.placement import ranks_per_node
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
 from dynmo_hpc.slurm.resize import nodes_to_keep, resized_env, shrink_job
 from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env
@@ -121,7 +123,7 @@ def run_manager(
     """
     if not in_slurm_job():
         raise LaunchError(
-            "dynmo_hpc.launch.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
+            "dynmo_hpc.slurm.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
             "HINT: use `dynmo-hpc run JOB.yaml` for local ranks, or `dynmo-hpc submit JOB.yaml`"
         )
     cfg = config_mod.load(config_path, overrides)
@@ -131,56 +133,93 @@ def run_manager(
     preflight.check_data(cfg)
     preflight.check_run_dir(cfg.run_dir)
     preflight.check_local_device(cfg.runtime.device)
-    launcher = launcher or os.environ.get("DYNMO_MPI_LAUNCHER", "auto")
-    if loopback_only is None:
-        loopback_only = os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
     first = read_slurm_env()
-    ranks_per_node = (
-        max(first.tasks_per_node)
-        if first.tasks_per_node
-        else max(1, -(-cfg.pipeline.num_stages // first.num_nodes))
+    steps = _AllocationSteps(
+        launcher=launcher or os.environ.get("DYNMO_MPI_LAUNCHER", "auto"),
+        loopback_only=os.environ.get("DYNMO_MPI_LOOPBACK_ONLY", "0") == "1"
+        if loopback_only is None
+        else loopback_only,
+        slots=slots,
+        ranks_per_node=ranks_per_node(
+            cfg.pipeline.num_stages, first.num_nodes, first.tasks_per_node
+        ),
+        handle_preemption=handle_preemption,
     )
+    resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id)
+    t0 = time.perf_counter()
+    with lock_run_dir(cfg.run_dir):
+        outcome = supervise(
+            cfg,
+            steps.run_step,
+            steps.shrink,
+            resume_from=resume_from,
+            restart=resume and not resume_from,
+        )
+    _log_outcome(outcome, time.perf_counter() - t0, cfg.run_dir)
+    return outcome
+
+
+def _starting_checkpoint(
+    run_dir: Path, resume: bool | None, job_id: int
+) -> tuple[bool, Path | None]:
+    """Whether the job continues (``resume``, or None: when SLURM requeued it) and from which
+    checkpoint (None: from the beginning, appending to the run log)."""
     if resume is None:
         resume = requeue_count() > 0
-    resume_from = newest_checkpoint(cfg.run_dir) if resume else None
+    resume_from = newest_checkpoint(run_dir) if resume else None
     if resume:
         log.warning(
             "job %s (requeue %d): continuing from %s",
-            first.job_id,
+            job_id,
             requeue_count(),
             resume_from or "the beginning (no complete checkpoint)",
         )
-    t0 = time.perf_counter()
+    return resume, resume_from
 
-    def run_step(step_cfg: config_mod.JobConfig, launch: StepLaunch) -> StepResult:
+
+@dataclass(frozen=True)
+class _AllocationSteps:
+    """How this manager starts MPI steps in its allocation, and shrinks it for a pack."""
+
+    launcher: str
+    loopback_only: bool
+    slots: int
+    """Task slots in the allocation as first held."""
+    ranks_per_node: int
+    handle_preemption: bool
+
+    def run_step(self, step_cfg: config_mod.JobConfig, launch: StepLaunch) -> StepResult:
+        """Start one MPI step of ``step_cfg`` on the nodes it needs and wait for it."""
         held = read_slurm_env()
+        num_stages = step_cfg.pipeline.num_stages
         argv = mpi_step_argv(
-            launcher,
+            self.launcher,
             worker_argv(launch.config_path, resume_from=launch.resume_from, restart=launch.restart),
-            num_tasks=step_cfg.pipeline.num_stages,
-            num_nodes=min(held.num_nodes, nodes_for(step_cfg.pipeline.num_stages, ranks_per_node))
+            num_tasks=num_stages,
+            num_nodes=min(held.num_nodes, nodes_for(num_stages, self.ranks_per_node))
             if launch.resume_from is not None
             else None,
         )
         env = {
             **os.environ,
-            **slurm_mpi_env(launcher, loopback_only=loopback_only),
+            **slurm_mpi_env(self.launcher, loopback_only=self.loopback_only),
             LAUNCH_TIME_ENV: repr(time.time()),
             ATTEMPT_ENV: str(launch.attempt + 1000 * requeue_count()),
         }
         log.info(
             "job %s: %d stages on %d task slots (%d nodes); step: %s",
             held.job_id,
-            step_cfg.pipeline.num_stages,
-            slots,
+            num_stages,
+            self.slots,
             held.num_nodes,
             " ".join(argv),
         )
-        return _run_step(argv, env, handle_preemption)
+        return _run_step(argv, env, self.handle_preemption)
 
-    def shrink(smaller: config_mod.JobConfig) -> float:
+    def shrink(self, smaller: config_mod.JobConfig) -> float:
+        """Release the nodes ``smaller`` does not need (keeping this one); the seconds taken."""
         held = read_slurm_env()
-        needed = nodes_for(smaller.pipeline.num_stages, ranks_per_node)
+        needed = nodes_for(smaller.pipeline.num_stages, self.ranks_per_node)
         if needed >= held.num_nodes:
             return 0.0
         kept = nodes_to_keep(held.node_list, held.node_name or held.node_list[0], needed)
@@ -200,20 +239,17 @@ def run_manager(
         )
         return seconds
 
-    with lock_run_dir(cfg.run_dir):
-        outcome = supervise(
-            cfg, run_step, shrink, resume_from=resume_from, restart=resume and not resume_from
-        )
-    elapsed_s = time.perf_counter() - t0
+
+def _log_outcome(outcome: JobOutcome, elapsed_s: float, run_dir: Path) -> None:
     if outcome.interrupted:
         log.warning(
             "training stopped by signal %d after %.1f s; run directory %s",
             outcome.interrupted,
             elapsed_s,
-            cfg.run_dir,
+            run_dir,
         )
     elif outcome.exit_code == 0:
-        log.info("training finished in %.1f s; run directory %s", elapsed_s, cfg.run_dir)
+        log.info("training finished in %.1f s; run directory %s", elapsed_s, run_dir)
     else:
         last = outcome.failures[-1].describe() if outcome.failures else "no rank named"
         log.error(
@@ -224,9 +260,8 @@ def run_manager(
             outcome.restarts,
             last,
             outcome.gave_up or "not restarted",
-            cfg.run_dir,
+            run_dir,
         )
-    return outcome
 
 
 def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> StepResult:
@@ -283,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     if not args:
         print(
-            "usage: python -m dynmo_hpc.launch.manager JOB.yaml [section.key=value ...]",
+            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [section.key=value ...]",
             file=sys.stderr,
         )
         return 2
