@@ -4,22 +4,27 @@ Three ranks run the library's own trainer (``Trainer.train``) twice per case: on
 with ``balance.force_moves=true``, which makes each load report (every step) migrate a layer
 with :func:`dynmo_hpc.pipeline.migration.migrate` (pickled module and AdamW, verified chunks).
 A migrated layer must arrive exactly as it left, so the two runs must agree bitwise: per-step
-losses, the run log's scheme events (counters, densities, capacities, freezes, prunes), and
-every layer's final state: parameters and buffers (pruned shapes, masks, frozen flags, densities,
-capacities, exit-head switches), ``requires_grad``, the public attributes of every submodule
-(router statistics, head counts, ...), and the AdamW state. Both runs are also checked against
-the single-process reference (:func:`dynmo_hpc.pipeline.reference.train_reference`).
+losses, the run log's scheme events (counters, densities, capacities, freezes, prunes), every
+rank's frozen prefix, and every layer's state after every step (so right after each migration,
+before the next forward can overwrite anything): parameters and buffers (pruned shapes, masks,
+frozen flags, densities, capacities, exit-head switches), ``requires_grad``, the class and public
+attributes of every submodule (router statistics, head counts, ...), and the AdamW state. The
+static run's losses and final weights also equal the single-process reference
+(:func:`dynmo_hpc.pipeline.reference.train_reference`) bitwise.
 
 The initial partition is chosen so the migrated layers carry the scheme's state: the forced
 moves shift a boundary by one layer at a time, so with 3 stages only two layers ever move
 (layers 2 and 4 from ``[0, 2, 4, 6]``); freezing starts from ``[0, 1, 3, 6]`` so that layer 1
-moves after it froze. One ``mpiexec`` launch runs every case (rank start-up costs seconds).
+moves after it froze. The schemes' counters are reported and reset at each load report, just
+before its migration, so they travel empty; the compared events show that they carry on. One
+``mpiexec`` launch runs every case (rank start-up costs seconds).
 
 Run as a rank program by the test (``python -m mpi4py tests/test_migration_schemes.py OUT``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import subprocess
@@ -142,10 +147,47 @@ def layer_snapshot(slot: Any) -> dict[str, Any]:
     }
 
 
+def fingerprint(value: Any, path: str = "") -> dict[str, str]:
+    """``value`` flattened to path -> its exact bits: a digest of a tensor's dtype, shape and
+    bytes, the repr of anything else (exact for floats), the type and length of a container."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().reshape(-1).numpy().tobytes()
+        header = f"{value.dtype}{tuple(value.shape)}".encode()
+        return {path: hashlib.sha256(header + data).hexdigest()[:20]}
+    if isinstance(value, dict):
+        items = [(f"{path}.{key}", v) for key, v in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return {path: f"{type(value).__name__}:{value!r}"}
+    out = {path: f"{type(value).__name__} of {len(value)}"}
+    for key, item in items:
+        out.update(fingerprint(item, key))
+    return out
+
+
 def rank_main(out_dir: Path) -> None:
     from mpi4py import MPI
 
     from dynmo_hpc.pipeline.trainer import Trainer
+
+    class ObservedTrainer(Trainer):
+        """The real trainer; after every step (and its migration, if any) rank 0 collects the
+        fingerprint of every layer and every rank's frozen prefix."""
+
+        fingerprints: list[dict[str, Any]]
+
+        def step(self, step: int) -> Any:
+            stats = super().step(step)
+            stage = self.pipeline_stage
+            mine = {slot.index: fingerprint(layer_snapshot(slot)) for slot in stage.slots}
+            gathered = self.comm.gather((mine, stage.frozen_prefix_end), root=0)
+            if gathered is not None:
+                layers = {i: f for g, _ in gathered for i, f in g.items()}
+                self.fingerprints.append(
+                    {"layers": dict(sorted(layers.items())), "frozen": [p for _, p in gathered]}
+                )
+            return stats
 
     comm = MPI.COMM_WORLD
     results: dict[str, dict[str, Any]] = {}
@@ -153,22 +195,19 @@ def rank_main(out_dir: Path) -> None:
         for mode in ("static", "moving"):
             cfg = case_config(out_dir, case, mode)
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            trainer = Trainer(cfg, comm, cfg.run_dir)
+            trainer = ObservedTrainer(cfg, comm, cfg.run_dir)
+            trainer.fingerprints = []
             result = trainer.train()
             stage = trainer.pipeline_stage
-            mine = {
-                "layers": {slot.index: layer_snapshot(slot) for slot in stage.slots},
-                "frozen_prefix_end": (stage.frozen_prefix_end, trainer.schemes.frozen_prefix_end),
-            }
+            mine = {slot.index: layer_snapshot(slot) for slot in stage.slots}
             gathered = comm.gather(mine, root=0)
-            if comm.rank == 0:
-                assert gathered is not None
-                layers = {i: snap for g in gathered for i, snap in g["layers"].items()}
+            if gathered is not None:
+                layers = {i: snap for g in gathered for i, snap in g.items()}
                 results.setdefault(case, {})[mode] = {
                     "losses": list(result.losses),
                     "parts": list(result.parts),
                     "layers": dict(sorted(layers.items())),
-                    "frozen_prefix_end": [g["frozen_prefix_end"] for g in gathered],
+                    "per_step": trainer.fingerprints,
                 }
     if comm.rank == 0:
         torch.save(results, out_dir / "results.pt")
@@ -248,9 +287,21 @@ def check_case(out_dir: Path, results: dict[str, Any], case: str) -> None:
     }
     assert_bitwise_equal(events["moving"], events["static"], f"{case} scheme events")
     assert list(moving["layers"]) == list(static["layers"]) == list(range(6))
+    assert len(moving["per_step"]) == len(static["per_step"]) == NUM_STEPS
+    for step, (got, want) in enumerate(zip(moving["per_step"], static["per_step"], strict=True)):
+        assert got["frozen"] == want["frozen"], f"{case} after step {step}: frozen prefix"
+        for index, prints in want["layers"].items():
+            moved = got["layers"][index]
+            differ = [
+                (path, prints.get(path), moved.get(path))
+                for path in sorted(prints.keys() | moved.keys())
+                if prints.get(path) != moved.get(path)
+            ]
+            assert not differ, (
+                f"{case} after step {step}, layer {index} (static, moving): {differ[:4]}"
+            )
     for index, snapshot in static["layers"].items():
         assert_bitwise_equal(moving["layers"][index], snapshot, f"{case} layer {index}")
-    assert moving["frozen_prefix_end"] == static["frozen_prefix_end"]
     for scheme in CASES[case][0]:
         assert scheme_acted(scheme, events["moving"]), f"{scheme} did not act in case {case}"
 
