@@ -59,12 +59,15 @@ COMBINATIONS = [
     ("freezing", "pruning"),
 ]
 
-PADDED_MOE = {
-    "moe_padded": ["schemes.moe.dispatch=padded"],
-    "moe_padded_pruned": ["schemes.moe.dispatch=padded", *SCHEME_OVERRIDES["pruning"]],
+PADDED_MOE: dict[str, tuple[list[str], list[str]]] = {
+    "moe_padded": (["moe"], ["schemes.moe.dispatch=padded"]),
+    "moe_padded_pruned": (
+        ["moe", "pruning"],
+        ["schemes.moe.dispatch=padded", *SCHEME_OVERRIDES["pruning"]],
+    ),
 }
-"""The padded MoE dispatch: batched, and expert by expert once pruning left the experts at
-different widths."""
+"""The padded MoE dispatch, batched, and expert by expert once pruning left the experts at
+different widths: name -> (its schemes, its overrides besides MoE's)."""
 
 
 def _cases() -> dict[str, tuple[list[str], list[str]]]:
@@ -73,8 +76,7 @@ def _cases() -> dict[str, tuple[list[str], list[str]]]:
     for combo in COMBINATIONS:
         overrides = [o for scheme in combo for o in SCHEME_OVERRIDES[scheme]]
         cases["+".join(combo)] = (list(combo), overrides)
-    for name, extra in PADDED_MOE.items():
-        schemes = ["moe", "pruning"] if "pruning.final_sparsity=0.5" in " ".join(extra) else ["moe"]
+    for name, (schemes, extra) in PADDED_MOE.items():
         cases[name] = (schemes, [*SCHEME_OVERRIDES["moe"], *extra])
     return cases
 
