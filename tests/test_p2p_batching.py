@@ -56,9 +56,8 @@ class _Comm:
 
 def _batches(schedule: str, stage: int, num_stages: int, num_microbatches: int, batched: bool):
     """What one stage's link posts over one step, driven the way the stage runner drives it."""
-    link = TorchDistLink.__new__(TorchDistLink)
-    super(TorchDistLink, link).__init__(_Comm(), stage, num_stages, torch.device("cpu"))
-    link.dist, link._queued, link.backend = _RecordingDist(), [], "recording"
+    dist = _RecordingDist()
+    link = TorchDistLink(_Comm(), stage, num_stages, torch.device("cpu"), transport=dist)
     payload = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in SPEC.items()}
     for action in build_schedule(schedule, stage, num_stages, num_microbatches):
         mb = action.microbatch
@@ -68,12 +67,12 @@ def _batches(schedule: str, stage: int, num_stages: int, num_microbatches: int, 
         else:
             link.recv_backward(mb, SPEC)
             link.send_backward(mb, SPEC, payload)
-        if not batched:
-            link._flush([])
+        if not batched:  # post each send at once, before the next receive
+            link.finish_sends()
     link.finish_sends()
     if not batched:  # one operation per batch, in the order posted
-        return [[op] for batch in link.dist.batches for op in batch]
-    return link.dist.batches
+        return [[op] for batch in dist.batches for op in batch]
+    return dist.batches
 
 
 def _completes(per_rank: list[list[list[tuple[str, int, int]]]]) -> bool:

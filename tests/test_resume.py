@@ -24,7 +24,7 @@ from dynmo_hpc.cli.run import resolve_resume
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
-from tests.helpers.local_pipeline import scheme_config
+from tests.helpers.scheme_jobs import scheme_config
 
 NUM_STEPS = 8
 # Launch 1 gets SIGTERM during step 1 and stops after it: checkpoint step_2.

@@ -1,5 +1,8 @@
-"""Checks shared by all schemes: plain-model equivalence, rank-independent init, config errors,
-the in-process pipeline against the reference, state that travels with migrating layers."""
+"""Checks shared by all schemes: plain-model equivalence, rank-independent init, config errors.
+
+The multi-rank checks are elsewhere: losses against the single-process reference in
+``test_schemes_parity.py``, scheme state through real migration (each scheme alone, in
+combination, and the padded MoE dispatch) in ``test_migration_schemes.py``."""
 
 from __future__ import annotations
 
@@ -13,13 +16,7 @@ from dynmo_hpc.model.gpt import Block
 from dynmo_hpc.model.gpt import build_layer as base_build_layer
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES, SchemeController, activation_spec, build_layer
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
-from dynmo_hpc.pipeline.reference import train_reference
-from tests.helpers.jobs import assert_losses_close
-from tests.helpers.local_pipeline import (
-    SCHEME_OVERRIDES,
-    scheme_config,
-    train_local_pipeline,
-)
+from tests.helpers.scheme_jobs import scheme_config
 
 # --------------------------------------------------------------------------------------------
 # Tests shared by all schemes
@@ -97,45 +94,3 @@ def test_incompatible_schemes_are_rejected(tmp_path):
         scheme_config(tmp_path, None, "schemes.early_exit={}", "schemes.mod={}")
     with pytest.raises(config_mod.ConfigError, match="make the two layer lists disjoint"):
         scheme_config(tmp_path, None, "schemes.mod={}", "schemes.sparse_attention.block_size=8")
-
-
-@pytest.mark.parametrize("scheme", BUILTIN_NAMES)
-def test_in_process_pipeline_matches_reference(tmp_path, scheme):
-    """Per-layer cuts, stage hand-offs and threaded collectives give the reference's losses."""
-    cfg = scheme_config(tmp_path, scheme)
-    reference = train_reference(cfg)
-    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps)
-    assert_losses_close(run.losses, reference.losses, rel=1e-5)
-
-
-@pytest.mark.parametrize("scheme", BUILTIN_NAMES)
-def test_scheme_state_travels_with_migrating_layers(tmp_path, scheme):
-    """Layers pickled to another stage mid-run (pruned shapes, frozen flags, routers, exit heads,
-    densities, optimizer state) continue exactly as if they had stayed."""
-    cfg = scheme_config(tmp_path, scheme, "train.steps=5")
-    reference = train_reference(cfg)
-    moves = {1: [0, 3, 4, 6], 2: [0, 1, 5, 6], 3: [0, 2, 3, 6]}
-    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps, repartition=moves)
-    assert_losses_close(run.losses, reference.losses, rel=1e-5)
-
-
-COMBINATIONS = [
-    ("moe", "pruning"),
-    ("pruning", "sparse_attention"),
-    ("moe", "early_exit"),
-    ("freezing", "mod"),
-    ("freezing", "early_exit"),
-    ("freezing", "pruning"),
-]
-
-
-@pytest.mark.parametrize("schemes", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])
-def test_schemes_combine(tmp_path, schemes):
-    """Schemes that touch different parts of a block stack; the pipeline still matches."""
-    overrides = [o for name in schemes for o in SCHEME_OVERRIDES[name]]
-    cfg = scheme_config(tmp_path, None, *overrides, "train.steps=5")
-    assert set(cfg.schemes.enabled) == set(schemes)
-    reference = train_reference(cfg)
-    moves = {2: [0, 3, 4, 6]}
-    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps, repartition=moves)
-    assert_losses_close(run.losses, reference.losses, rel=1e-5)

@@ -9,7 +9,7 @@ from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.gpt import build_layer as base_build_layer
 from dynmo_hpc.model.schemes import activation_spec, build_layer
 from dynmo_hpc.pipeline.data import TextDataset
-from tests.helpers.local_pipeline import scheme_config
+from tests.helpers.scheme_jobs import scheme_config
 
 
 def _batch(cfg, step=0):

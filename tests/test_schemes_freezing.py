@@ -16,7 +16,7 @@ from dynmo_hpc.model.schemes.freezing import (
     max_prefix_end,
     next_prefix_end,
 )
-from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
+from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
 
 def test_prefix_grows_front_first_over_converged_layers_only():
@@ -40,11 +40,12 @@ def test_gradient_norm_estimate_is_the_gradient_norm_after_one_step():
 
 
 def test_frozen_layers_stop_changing_and_their_backward_stops(tmp_path):
-    cfg = scheme_config(tmp_path, "freezing", "train.steps=5")
-    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps)
+    one_rank = ["pipeline.num_stages=1", "balance.interval=1"]  # a layer report every step
+    cfg = scheme_config(tmp_path, "freezing", "train.steps=5", *one_rank)
+    run = train_one_rank(cfg)
     freezes = [e for e in run.events if e["kind"] == "freeze" and e["newly_frozen"]]
     assert [e["frozen_prefix_end"] for e in freezes] == [1, 2, 3, 4]  # one layer per check
-    slots = {s.index: s for st in run.stages for s in st.slots}
+    slots = run.slots
     for index in range(4):
         assert is_frozen(slots[index].module)
         assert all(not p.requires_grad and p.grad is None for p in slots[index].module.parameters())
@@ -58,10 +59,10 @@ def test_frozen_layers_stop_changing_and_their_backward_stops(tmp_path):
     assert run.backward_s[-1][5] > 0.0  # the head still trains
 
     # Weights stop changing: one more run, two steps longer, leaves the frozen layers as they were.
-    longer = train_local_pipeline(
-        scheme_config(tmp_path, "freezing", "train.steps=7"), [0, 2, 4, 6], 7
+    longer = train_one_rank(
+        scheme_config(tmp_path, "freezing", "train.steps=7", "job.name=longer", *one_rank)
     )
-    slots_longer = {s.index: s for st in longer.stages for s in st.slots}
+    slots_longer = longer.slots
     for index in range(4):
         for (name, a), b in zip(
             slots[index].module.state_dict().items(),

@@ -9,7 +9,7 @@ from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
 from dynmo_hpc.model.schemes.mod import capacity_at, tokens_processed
-from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
+from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
 
 def _ctx() -> MicrobatchContext:
@@ -84,13 +84,14 @@ def test_annealed_blocks_start_dense_and_reach_their_own_capacity(tmp_path):
         "mod",
         "schemes.mod.initial_capacity=1.0",
         "schemes.mod.anneal_end_step=3",
+        "pipeline.num_stages=1",
     )
     block = build_layer(cfg, 2)
     assert float(block.depth_router.current_capacity) == 1.0
     assert "depth_router.current_capacity" in block.state_dict()  # checkpointed
     block({"h": torch.randn(2, 32, 32)}, _ctx())
     assert block.depth_router.last_selected.shape == (2, 32)  # dense at the start
-    run = train_local_pipeline(cfg, [0, 3, 6], 4)
+    run = train_one_rank(cfg)
     reports = [e for e in run.events if e["kind"] == "scheme_stats"]
     first, last = reports[0]["layers"], reports[-1]["layers"]
     for i, capacity in ((1, 0.5), (2, 0.25), (4, 0.75)):

@@ -4,8 +4,8 @@ Every scheme changes the work (routing, shrinking, freezing, skipping blocks and
 make discrete, data-dependent decisions (top-k routes, exits, kept attention blocks, which
 structures to prune, when to freeze). Those decisions must come out the same on every partition:
 the losses of 2 and 4 real ranks must match ``train_reference`` within 1e-5 relative. The
-overrides (see ``tests.helpers.local_pipeline.SCHEME_OVERRIDES``) make each mechanism act within the
-four steps; the run log's ``scheme_stats`` events confirm that it did.
+overrides (``SCHEME_OVERRIDES`` in ``tests/helpers/scheme_jobs.py``) make each mechanism act
+within the four steps; the run log's ``scheme_stats`` events confirm that it did.
 """
 
 from __future__ import annotations
@@ -16,33 +16,12 @@ from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
 from tests.helpers.jobs import assert_losses_close, run_job
-from tests.helpers.local_pipeline import scheme_config
+from tests.helpers.scheme_jobs import scheme_acted, scheme_config, scheme_events
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 BUILTIN_NAMES = [scheme.name for scheme in BUILTIN_SCHEMES]
 """Every built-in scheme, from the registry (a new one needs its SCHEME_OVERRIDES entry)."""
-
-
-def _acted(scheme: str, events: list[dict]) -> bool:
-    """Whether the run log shows the mechanism at work."""
-    stats = [e for e in events if e.get("layers")]
-    layers = [v for e in stats for v in e["layers"].values()]
-    if scheme == "moe":
-        return any(v.get("mlp.dropped", 0) + v.get("mlp.rerouted", 0) > 0 for v in layers)
-    if scheme == "pruning":
-        return any(v.get("sparsity.neuron", 0) > 0 for v in layers)
-    if scheme == "freezing":
-        return any(e["frozen_prefix_end"] >= 3 for e in stats)
-    if scheme == "sparse_attention":
-        return any(v.get("attn.kept_blocks", 0) < v.get("attn.causal_blocks", 0) for v in layers)
-    if scheme == "early_exit":
-        return any(v.get("exit_head.exited", 0) > 0 for v in layers)
-    if scheme == "mod":
-        return any(
-            0 < v.get("depth_router.processed", 0) < v["depth_router.tokens"] for v in layers
-        )
-    raise AssertionError(scheme)
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
@@ -54,6 +33,5 @@ def test_scheme_losses_match_single_process(tmp_path, scheme, num_stages):
     reference = train_reference(cfg)
     result = run_job(cfg)
     assert_losses_close(result["losses"], reference.losses, rel=1e-5)
-    events = load(cfg.run_dir / "run.h5").events
-    details = [row for row in events["detail"] if isinstance(row, dict)]
-    assert _acted(scheme, details), f"{scheme} did not act in the parity run: {details}"
+    events = scheme_events(load(cfg.run_dir / "run.h5").events)
+    assert scheme_acted(scheme, events), f"{scheme} did not act in the parity run: {events}"

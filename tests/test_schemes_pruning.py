@@ -23,7 +23,7 @@ from dynmo_hpc.model.schemes.pruning import (
     layer_sparsity,
     sparsity_at,
 )
-from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
+from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
 
 def test_cubic_schedule_of_zhu_and_gupta():
@@ -126,11 +126,12 @@ def test_sparsity_follows_the_schedule_and_differs_by_layer(tmp_path):
         "schemes.pruning.interval_steps=2",
         "schemes.pruning.final_sparsity=0.6",
         "train.steps=5",
+        "pipeline.num_stages=1",
     )
     section = cfg.schemes.pruning
     initial = initial_counts(cfg)
     assert initial == {NEURON: 4 * 64, HEAD: 4 * 2}
-    run = train_local_pipeline(cfg, [0, 2, 4, 6], cfg.train.steps)
+    run = train_one_rank(cfg)
     prunes = [e for e in run.events if e["kind"] == "prune"]
     assert [e["step"] for e in prunes] == [0, 2, 4]
     for event in prunes:
@@ -139,7 +140,7 @@ def test_sparsity_follows_the_schedule_and_differs_by_layer(tmp_path):
         want = math.floor(target * initial[NEURON] + 1e-9) / initial[NEURON]
         assert event["sparsity"][NEURON] == pytest.approx(want)
     # Globally ranked: the final 60% is spread unevenly over the four blocks.
-    slots = {s.index: s for st in run.stages for s in st.slots}
+    slots = run.slots
     per_layer = [layer_sparsity(slots[i].module, cfg, i)[NEURON] for i in range(1, 5)]
     assert sum(per_layer) / 4 == pytest.approx(math.floor(0.6 * 256) / 256)
     assert len({round(s, 6) for s in per_layer}) > 1, per_layer

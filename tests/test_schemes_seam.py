@@ -35,7 +35,7 @@ from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.pipeline.reference import train_reference
 from tests.helpers.jobs import ROOT, tiny_config
-from tests.helpers.local_pipeline import SCHEME_OVERRIDES
+from tests.helpers.scheme_jobs import SCHEME_OVERRIDES
 
 STEPS = 3
 

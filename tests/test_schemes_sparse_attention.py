@@ -16,7 +16,7 @@ from dynmo_hpc.model.schemes.sparse_attention import (
     density_at,
     select_key_blocks,
 )
-from tests.helpers.local_pipeline import scheme_config, train_local_pipeline
+from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
 
 def _qkv(B=2, nh=3, T=64, hs=8, seed=0):
@@ -118,9 +118,10 @@ def test_a_dense_start_sparsifies_each_layer_to_its_own_density(tmp_path):
         "sparse_attention",
         "schemes.sparse_attention.initial_density=1.0",
         "schemes.sparse_attention.drift_factor=1.0",
+        "pipeline.num_stages=1",
     )
     assert [float(build_layer(cfg, i).attn.density) for i in range(1, 5)] == [1.0] * 4
-    run = train_local_pipeline(cfg, [0, 3, 6], 4)
+    run = train_one_rank(cfg)
     reports = [e for e in run.events if e["kind"] == "scheme_stats"]
     first, last = reports[0]["layers"], reports[-1]["layers"]
     assert [last[str(i)]["attn.density"] for i in range(1, 5)] == [0.5, 1.0, 0.25, 0.75]
@@ -129,10 +130,10 @@ def test_a_dense_start_sparsifies_each_layer_to_its_own_density(tmp_path):
 
 
 def test_layers_get_their_own_density_and_the_controller_drifts_it(tmp_path):
-    cfg = scheme_config(tmp_path, "sparse_attention")
+    cfg = scheme_config(tmp_path, "sparse_attention", "pipeline.num_stages=1")
     densities = [float(build_layer(cfg, i).attn.density) for i in range(1, 5)]
     assert densities == [0.5, 1.0, 0.25, 0.75]
-    run = train_local_pipeline(cfg, [0, 3, 6], 4)
+    run = train_one_rank(cfg)
     stats = [e for e in run.events if e["kind"] == "scheme_stats"][-1]["layers"]
     factor = 0.5  # drift 1 -> 0.5 over steps 0..4; after 4 steps it is complete
     assert [stats[str(i)]["attn.density"] for i in range(1, 5)] == pytest.approx(

@@ -301,13 +301,28 @@ class TorchDistLink(StageLink):
     against a rendezvous model of NCCL.
     """
 
-    def __init__(self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        stage: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        transport: Any | None = None,
+    ) -> None:
+        """``transport``: an initialised stand-in for ``torch.distributed`` (its ``P2POp``,
+        ``isend``, ``irecv`` and ``batch_isend_irecv``), e.g. a recorder in a test; None
+        initialises ``torch.distributed`` over ``comm``'s ranks (NCCL on CUDA, else gloo)."""
         super().__init__(comm, stage, num_stages, device)
-        import torch.distributed as dist
+        if transport is None:
+            import torch.distributed as dist
 
-        self.dist = dist
-        backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-        init_torch_distributed(comm, backend)
+            backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+            init_torch_distributed(comm, backend)
+            transport = dist
+        else:
+            backend = "given"
+        self.dist = transport
         self.backend = backend
         self._queued: list[Any] = []  # P2POps of sends not yet posted
 

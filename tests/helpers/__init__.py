@@ -1,2 +1,3 @@
-"""Test helpers: tiny job configs and local launches (:mod:`.jobs`), the in-process pipeline
-(:mod:`.local_pipeline`) and the real SLURM test cluster fixture (:mod:`.slurm_cluster`)."""
+"""Test helpers: tiny job configs and local launches (:mod:`.jobs`), scheme jobs and a one-rank
+run of the real trainer (:mod:`.scheme_jobs`) and the real SLURM test cluster fixture
+(:mod:`.slurm_cluster`)."""
