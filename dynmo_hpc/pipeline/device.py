@@ -1,8 +1,8 @@
 """Device choice and layer timers: CPU time on CPU, CUDA events on GPU.
 
 Why CPU time on CPU: with more ranks than cores (the normal case on a laptop or a CI box),
-wall-clock time per layer includes time the OS gave to other ranks; the platform measurements
-showed 8-43% CV for wall clock against 4-9% for thread CPU time. With one torch thread per rank
+wall-clock time per layer includes time the OS gave to other ranks, so it scatters far more
+than the thread's CPU time does. With one torch thread per rank
 the calling thread's CPU time is the layer's cost. With ``runtime.threads_per_rank > 1`` it is
 not: torch's intra-op threads do part of every matmul, and the calling thread's clock misses
 their work (and stops while it waits for them). Then the process's CPU time (all threads) is

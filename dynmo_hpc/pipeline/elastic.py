@@ -24,7 +24,7 @@ from dynmo_hpc.placement import ranks_per_node
 
 ASSUMED_CHECKPOINT_BYTES_PER_S = 1e8
 """Write (and read) speed assumed for a checkpoint before one was measured: about what the
-development machine's shared disk gave (docs/checkpoints.md)."""
+development machine's shared disk gave (docs/benchmarks.md#checkpoints)."""
 
 
 @dataclass(frozen=True)

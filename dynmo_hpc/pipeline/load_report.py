@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
@@ -212,7 +213,7 @@ class LoadReporter:
             peak_mem_bytes=report.peak_mem_bytes,
         )
         costs_s = self.state.tracker.update(report.forward_s, report.backward_s)
-        if self.cfg.balance.algorithm == "static" or report.step + 1 >= self.cfg.train.steps:
+        if self.cfg.balance.algorithm == STATIC or report.step + 1 >= self.cfg.train.steps:
             return None  # static, or after the last step: a migration could not pay back
         plan = decide(
             self.cfg.balance,

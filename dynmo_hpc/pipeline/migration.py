@@ -48,7 +48,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from dynmo_hpc.balance import plan_moves
+from dynmo_hpc.balance import Move, plan_moves
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.comm import wait_quietly
 from dynmo_hpc.pipeline.host_memory import LARGE_STORAGE_BYTES, POOL, layer_tensors
@@ -362,6 +362,47 @@ def migrate(
             gc.enable()
 
 
+def _transfers(
+    pipeline_stage: PipelineStage, moves: list[Move], rank: int
+) -> tuple[list[Outgoing], list[tuple[_Arrival, Incoming]]]:
+    """This rank's sends and receives for ``moves``: move ``i`` uses tag ``2 * i`` (the same on
+    both ends, since every rank plans the same moves), and each arrival rebuilds its layer as
+    soon as its metadata lands."""
+    by_index = {slot.index: slot for slot in pipeline_stage.slots}
+    outgoing: list[Outgoing] = []
+    incoming: list[tuple[_Arrival, Incoming]] = []
+    for i, move in enumerate(moves):
+        if move.src == rank:
+            packed = pack_layer(by_index[move.layer])
+            outgoing.append(Outgoing(move.dst, 2 * i, packed.meta, packed.buffers))
+        elif move.dst == rank:
+            arrival = _Arrival(pipeline_stage, move.layer)
+            incoming.append((arrival, Incoming(move.src, 2 * i, on_meta=arrival.rebuild)))
+    return outgoing, incoming
+
+
+def _check_outcome(
+    comm: MPI.Comm, gathered: np.ndarray, errors: list[str], new_parts: list[int]
+) -> None:
+    """Raise on every rank alike if any rank failed verification, or if the layer counts the
+    ranks would own do not add up to the model (``gathered`` rows: errors, owned layers)."""
+    if gathered[:, 0].any():  # every rank sees the same counts, so all of them gather the text
+        all_errors = [e for rank_errors in comm.allgather(errors) for e in rank_errors]
+        raise MigrationError(
+            f"migration to partition {new_parts} failed verification: "
+            + "; ".join(all_errors[:4])
+            + "; every stage keeps its old layers (partition unchanged). "
+            "HINT: data was damaged in transit or in memory; retry the migration, or resume "
+            "from the last checkpoint if it repeats"
+        )
+    counts = [int(count) for count in gathered[:, 1]]
+    if sum(counts) != new_parts[-1]:
+        raise RuntimeError(
+            f"after migration ranks would own {counts} layers (sum {sum(counts)}), "
+            f"expected {new_parts[-1]} in total"
+        )
+
+
 def _migrate(
     pipeline_stage: PipelineStage,
     comm: MPI.Comm,
@@ -375,16 +416,7 @@ def _migrate(
         2 * len(moves) + 1, tag_upper_bound(comm), f"a migration of {len(moves)} layers"
     )
     rank = comm.rank
-    by_index = {slot.index: slot for slot in pipeline_stage.slots}
-    outgoing: list[Outgoing] = []
-    incoming: list[tuple[_Arrival, Incoming]] = []
-    for i, move in enumerate(moves):
-        if move.src == rank:
-            packed = pack_layer(by_index[move.layer])
-            outgoing.append(Outgoing(move.dst, 2 * i, packed.meta, packed.buffers))
-        elif move.dst == rank:
-            arrival = _Arrival(pipeline_stage, move.layer)
-            incoming.append((arrival, Incoming(move.src, 2 * i, on_meta=arrival.rebuild)))
+    outgoing, incoming = _transfers(pipeline_stage, moves, rank)
     leaving = {m.layer for m in moves if m.src == rank}
     errors: list[str] = []
     arrived: list[LayerSlot] = []
@@ -416,21 +448,7 @@ def _migrate(
         on_chunk=on_chunk,
         on_received=agree,
     )
-    if gathered[:, 0].any():  # every rank sees the same counts, so all of them gather the text
-        all_errors = [e for rank_errors in comm.allgather(errors) for e in rank_errors]
-        raise MigrationError(
-            f"migration to partition {new_parts} failed verification: "
-            + "; ".join(all_errors[:4])
-            + "; every stage keeps its old layers (partition unchanged). "
-            "HINT: data was damaged in transit or in memory; retry the migration, or resume "
-            "from the last checkpoint if it repeats"
-        )
-    counts = [int(count) for count in gathered[:, 1]]
-    if sum(counts) != new_parts[-1]:
-        raise RuntimeError(
-            f"after migration ranks would own {counts} layers (sum {sum(counts)}), "
-            f"expected {new_parts[-1]} in total"
-        )
+    _check_outcome(comm, gathered, errors, new_parts)
     pipeline_stage.replace_layers(new_parts, arrived=arrived, leaving=leaving)
     return MigrationStats(
         num_moves=len(moves),

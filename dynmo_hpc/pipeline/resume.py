@@ -34,6 +34,7 @@ from typing import Any
 from mpi4py import MPI
 
 from dynmo_hpc.balance import partition, uniform
+from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.schemes import restore_layer
@@ -128,7 +129,7 @@ def resume_partition(cfg: JobConfig, state: dict[str, Any]) -> list[int]:
     if len(saved) - 1 == num_stages:
         return saved
     costs = state.get("balancer", {}).get("costs_s")
-    if costs and cfg.balance.algorithm not in ("static", "uniform"):
+    if costs and cfg.balance.algorithm not in (STATIC, INITIAL_ALGORITHM):
         return partition(costs, num_stages, "optimal")
     return uniform([1.0] * cfg.model.num_layers, num_stages)
 

@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
+from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases, write_request
@@ -174,7 +175,7 @@ class Trainer:
         """The load reporter, its bandwidth measured (collective) and its state restored."""
         cfg = self.cfg
         migration_comm = self.comm.Dup()
-        bandwidth = measure_bandwidth(migration_comm) if cfg.balance.algorithm != "static" else 0.0
+        bandwidth = measure_bandwidth(migration_comm) if cfg.balance.algorithm != STATIC else 0.0
         tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
         balancer = state.get("balancer", {}) if state else {}
         tracker.costs_s = balancer.get("costs_s")

@@ -4,8 +4,8 @@ Why: the run log's layer costs are the thread CPU seconds of each layer's forwar
 and nothing else. A measured step also spends wall time on work outside the layers (the
 optimizer, the clipping all-reduce and the gather, posting each send and receive, the load
 report) and, on a machine with more runnable processes than cores, runs every CPU second slower
-than one wall second. Without these terms the simulator predicted about half (on a loaded
-2-core machine, a third) of the measured step. Each term here is an explicit input with a unit,
+than one wall second. Without these terms the simulator predicts well short of the measured
+step. Each term here is an explicit input with a unit,
 0 (or 1 for the ratio) by default, so a simulation without a machine file is exactly the
 compute-only model the hand-computed tests check.
 

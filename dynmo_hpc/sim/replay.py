@@ -99,7 +99,7 @@ class PackingSetup:
     min_stages: int = 1
     restart_overhead_s: float = 10.0
     """Seconds a resize stops training; charged to the report step that decides it. The
-    default is what one local resize measured (``README``: 9.8 s)."""
+    default is what one local resize measured (docs/benchmarks.md#elastic-packing)."""
     ranks_per_node: int = 1
     """Ranks per node: a pack must free whole nodes (1: every rank is its own node)."""
 

@@ -5,7 +5,7 @@ one core each), a stage's layers do not run at a fixed speed. While every stage 
 gets ``cores / P`` of a core; in the bubble, while some stages wait (asleep: waiting ranks do not
 spin), the ones still computing get up to a whole core each. One wall-per-CPU ratio per step
 stretches the bubble as much as the steady state, so it over-predicts pipelines with a large
-bubble (measured: 4 stages, 4 microbatches on 2 cores came out 6-13% too slow). Here the cores
+bubble. Here the cores
 are shared explicitly, as processor sharing: at every moment the ``n`` stages with work in hand
 each run at ``min(1, cores / n)`` CPU seconds per wall second, times ``1 / wall_s_per_cpu_s``
 for the load of other processes.

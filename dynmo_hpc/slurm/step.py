@@ -32,11 +32,11 @@ _OPEN_MPI_ENV: dict[str, str] = {
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     # PMIx's shared-memory data store crashed a few launches in a hundred; the hash store did not.
     "PMIX_MCA_gds": "hash",
-    # Under `srun --mpi=pmix` (Slurm 22.05's PMIx plugin) 6-40% of launches segfaulted inside
+    # Under `srun --mpi=pmix` (Slurm 22.05's PMIx plugin) some launches segfaulted inside
     # MPI_Init (mca_pml_ob1_recv_frag_callback_match: a peer's first message arrived while this
     # rank still waited in the modex fence, before MPI_COMM_WORLD existed in the PML; cf.
     # open-mpi/ompi#12495). With the modex run in the background MPI_Init registers
-    # MPI_COMM_WORLD before it waits, and 0 of 390 launches failed (docs/slurm.md).
+    # MPI_COMM_WORLD before it waits (docs/slurm.md has the launch counts).
     "OMPI_MCA_pmix_base_async_modex": "1",
 }
 """Open MPI 5 settings for every cluster."""

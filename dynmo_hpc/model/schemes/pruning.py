@@ -13,9 +13,8 @@ more, so layers end at different sparsities. Neurons and heads are ranked separa
 ranking per kind), because a head's and a neuron's weight norms have different scales.
 
 Why structured: torch's sparse kernels do not beat dense matmul on CPU at the sparsities this
-schedule spends its time at (docs/schemes.md: for the model's shapes CSR and COO matmuls are
-1.4-3.6x slower than dense at 50-75% sparsity and win only from about 90%, while the dense matmul
-of the shrunk matrix is faster than both at every sparsity). So pruning removes whole
+schedule spends its time at, while the dense matmul of the shrunk matrix is faster than both at
+every sparsity (the comparison is in docs/benchmarks.md). So pruning removes whole
 feed-forward neurons (a row of ``c_fc`` and a column of ``c_proj``, experts' included) and whole
 attention heads (their query, key and value rows of ``c_attn`` and columns of ``c_proj``), and the
 matrices physically shrink: the compute reduction is real on any device and the profiler sees it.
