@@ -9,6 +9,7 @@ its table header or valid JSON. No timing is ever asserted: these machines are s
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def refuse_script(name: str, *args: str, timeout_s: float = 60.0) -> str:
+    """Run ``benchmarks/<name>`` expecting a refusal: non-zero exit, one line on stderr."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "nan" not in proc.stdout
+    return lines[0]
 
 
 def run_script(name: str, *args: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess[str]:
@@ -28,8 +40,18 @@ def run_script(name: str, *args: str, timeout_s: float = 240.0) -> subprocess.Co
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_bench_pipeline_runs_every_configuration_twice() -> None:
+def test_bench_pipeline_runs_every_configuration_twice(tmp_path: Path) -> None:
     # Two rounds: every runner runs twice, so a run directory reused between runs is caught.
-    proc = run_script("bench_pipeline.py", "--rounds", "2", "--steps", "3", "--microbatches", "2")
-    assert "configuration" in proc.stdout and "tokens/s" in proc.stdout
-    assert "bubble" in proc.stdout
+    out = tmp_path / "pipeline.json"
+    args = ["--rounds", "2", "--steps", "3", "--microbatches", "2", "--json", str(out)]
+    proc = run_script("bench_pipeline.py", *args)
+    assert "| microbatches | single process | dynmo_hpc 1F1B" in proc.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["microbatches"] == 2 and row["bubble_theory"] == 1 / 3
+    for key in ("single", "ours", "torch", "bubble"):
+        assert len(row["per_round"][key]) == 2
+
+
+def test_bench_pipeline_refuses_too_few_steps() -> None:
+    line = refuse_script("bench_pipeline.py", "--steps", "2")
+    assert "--steps 2" in line and "HINT" in line
