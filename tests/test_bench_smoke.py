@@ -55,3 +55,19 @@ def test_bench_pipeline_runs_every_configuration_twice(tmp_path: Path) -> None:
 def test_bench_pipeline_refuses_too_few_steps() -> None:
     line = refuse_script("bench_pipeline.py", "--steps", "2")
     assert "--steps 2" in line and "HINT" in line
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_imbalanced_reports_before_after_static_and_ideal(tmp_path: Path) -> None:
+    out = tmp_path / "imbalanced.json"
+    proc = run_script("bench_imbalanced.py", "--rounds", "1", "--steps", "8", "--json", str(out))
+    assert "| uniform split" in proc.stdout and "| static uniform split" in proc.stdout
+    assert "nan" not in proc.stdout
+    (row,) = json.loads(out.read_text())["rounds"]
+    assert row["parts_before"] != row["parts_after"]
+
+
+def test_bench_imbalanced_refuses_a_run_too_short_for_its_windows() -> None:
+    line = refuse_script("bench_imbalanced.py", "--steps", "6")
+    assert "too short" in line and "HINT" in line
