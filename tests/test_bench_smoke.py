@@ -5,6 +5,13 @@ script that broke (a renamed API, a run directory reused) would only be found by
 test runs the script as a user would (a subprocess, with its documented flags turned down to
 the smallest values that still reach every code path) and asserts that it exits 0 and prints
 its table header or valid JSON. No timing is ever asserted: these machines are shared and noisy.
+Settings too small for a script's statistics must be refused with one line and a non-zero exit
+(never a table of nan); the refusal tests check that.
+
+``test_every_script_has_a_smoke_test`` keeps the tier complete: a script in benchmarks/ needs a
+test here or an entry in COVERED_ELSEWHERE. peer_deepspeed.py needs the optional DeepSpeed env
+(``make bench-env``) and is skipped without it. The runs that train (marked ``slow``) take most
+of the file's time: a few minutes on 2 idle cores.
 """
 
 from __future__ import annotations
