@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=400, help="runs per random diffusion family")
     args = parser.parse_args()
+    if args.trials < 1:
+        raise SystemExit(f"bench_balance: --trials must be >= 1 for its shares, got {args.trials}")
     if args.part in ("speed", "all"):
         bench_speed(args.seed)
     if args.part in ("diffusion", "all"):

@@ -23,6 +23,11 @@ def ceiling(run_dir: Path) -> tuple[float, float]:
     """(over the whole run, at the last report): uniform heaviest stage / optimal heaviest."""
     run = load(run_dir / "run.h5")
     num_stages = int(run.config["pipeline"]["num_stages"])
+    if run.layer_costs.empty:
+        raise SystemExit(
+            f"bench_ceiling: {run_dir} has no load report; HINT: give runs of more than "
+            "balance.interval steps"
+        )
     costs = run.layer_costs.assign(cost_s=run.layer_costs.forward_s + run.layer_costs.backward_s)
     uniform_s = optimal_s = 0.0
     last = 1.0

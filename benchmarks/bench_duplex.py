@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reps < 1 or args.mib < 1:
+        raise SystemExit(
+            f"bench_duplex: --reps and --mib must be >= 1, got --reps {args.reps} --mib {args.mib}"
+        )
     if args.rank:
         rank_main(args.mib, args.reps)
         return

@@ -171,6 +171,8 @@ def main() -> None:
     )
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reps < 1:
+        raise SystemExit(f"bench_migration: --reps must be >= 1 for a median, got {args.reps}")
     if args.rank:
         rank_main(
             args.reps, args.device, args.json, tuple(int(d) for d in args.d_models.split(","))

@@ -5,12 +5,15 @@ Three ways to train the same model, same split, same microbatches:
   2. our engine: 2 MPI ranks, 1F1B;
   3. torch.distributed.pipelining Schedule1F1B over gloo, 2 ranks
      (benchmarks/torch_pipelining_rank.py).
-Each round runs all three back to back; the order rotates between rounds, and figures are medians
-over rounds of per-run medians (the first steps are warm-up and skipped). It prints tokens/s, the
-ratios, and our measured bubble fraction (idle / (idle + compute), from the run log) against the
-theoretical (P - 1) / (M + P - 1).
+Each round runs all three for every M given, back to back, each in its own run directory; the
+order rotates between rounds, and figures are medians over rounds of per-run medians (the first
+``WARMUP_STEPS`` steps are warm-up and skipped), with the range over rounds. It prints a markdown
+table of tokens/s, the ratios, and our measured bubble fraction (idle / (idle + compute), from
+the run log) against the theoretical (P - 1) / (M + P - 1). Settings that leave no measured step
+are refused with one line and exit status 1.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--rounds 3] [--steps 12] [--microbatches 8]
+    .venv/bin/python benchmarks/bench_pipeline.py [--rounds 3] [--steps 12] [--microbatches 8 16]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -100,51 +103,113 @@ def run_torch(cfg: config_mod.JobConfig) -> float:
     return statistics.median(json.loads(out.read_text())["tokens_per_s"][WARMUP_STEPS:])
 
 
+RUNNERS = ("single", "ours", "torch")
+
+
+def check_settings(rounds: int, steps: int, microbatches: list[int]) -> None:
+    """Refuse settings whose medians would be empty (one line on stderr, exit status 1)."""
+    if rounds < 1:
+        raise SystemExit(f"bench_pipeline: --rounds must be >= 1, got {rounds}")
+    if steps <= WARMUP_STEPS:
+        raise SystemExit(
+            f"bench_pipeline: --steps {steps} leaves no measured step after the "
+            f"{WARMUP_STEPS} warm-up steps; HINT: use --steps {WARMUP_STEPS + 1} or more"
+        )
+    if min(microbatches) < 1:
+        raise SystemExit(f"bench_pipeline: --microbatches must be >= 1, got {microbatches}")
+
+
+def measure(
+    tmp: Path, rounds: int, steps: int, microbatches: list[int]
+) -> dict[int, dict[str, list[float]]]:
+    """Per M, per runner, one figure per round; every run gets its own run directory.
+
+    Each round runs every (M, runner) pair back to back; the order rotates between rounds so
+    drift on a shared machine hits every configuration alike.
+    """
+    figures: dict[int, dict[str, list[float]]] = {
+        m: {"single": [], "ours": [], "torch": [], "bubble": []} for m in microbatches
+    }
+    pairs = [(m, runner) for m in microbatches for runner in RUNNERS]
+    for rnd in range(rounds):
+        shift = rnd % len(pairs)
+        for m, runner in pairs[shift:] + pairs[:shift]:
+            cfg = bench_config(tmp, steps, m, f"bench_{runner}_m{m}_r{rnd}")
+            if runner == "single":
+                figures[m]["single"].append(run_single(cfg))
+            elif runner == "ours":
+                tokens_per_s, bubble = run_ours(cfg)
+                figures[m]["ours"].append(tokens_per_s)
+                figures[m]["bubble"].append(bubble)
+            else:
+                figures[m]["torch"].append(run_torch(cfg))
+            print(f"round {rnd + 1}/{rounds}: M={m} {runner} done", file=sys.stderr, flush=True)
+    return figures
+
+
+def summarise(m: int, fig: dict[str, list[float]]) -> dict[str, object]:
+    """Medians and ranges over rounds for one M, with the ratios and the bubble against theory."""
+    med = statistics.median
+    return {
+        "microbatches": m,
+        **{f"{k}_tokens_per_s": med(fig[k]) for k in RUNNERS},
+        **{f"{k}_tokens_per_s_range": [min(fig[k]), max(fig[k])] for k in RUNNERS},
+        "ours_over_single": med(fig["ours"]) / med(fig["single"]),
+        "ours_over_torch": med(fig["ours"]) / med(fig["torch"]),
+        "bubble_measured": med(fig["bubble"]),
+        "bubble_measured_range": [min(fig["bubble"]), max(fig["bubble"])],
+        "bubble_theory": theoretical_bubble_fraction(2, m),
+        "per_round": {k: fig[k] for k in (*RUNNERS, "bubble")},
+    }
+
+
+def print_table(rows: list[dict[str, object]], rounds: int) -> None:
+    """A markdown table: medians over rounds with [min-max] in brackets."""
+
+    def tps(row: dict[str, object], key: str) -> str:
+        lo, hi = row[f"{key}_tokens_per_s_range"]  # type: ignore[misc]
+        return f"{row[f'{key}_tokens_per_s']:.0f} [{lo:.0f}-{hi:.0f}]"
+
+    print(
+        "model: 10 layers (embedding, 8 blocks d_model=128, head), split [0,5,10], "
+        f"microbatches of 4 x 64 tokens, {rounds} rounds interleaved; tokens/s, "
+        "median [min-max] over rounds"
+    )
+    print(
+        "| microbatches | single process | dynmo_hpc 1F1B, 2 ranks | torch pipelining 1F1B, "
+        "2 ranks | ours / single | ours / torch | bubble measured [min-max] / theory |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        lo, hi = row["bubble_measured_range"]  # type: ignore[misc]
+        print(
+            f"| {row['microbatches']} | {tps(row, 'single')} | {tps(row, 'ours')} | "
+            f"{tps(row, 'torch')} | {row['ours_over_single']:.2f}x | "
+            f"{row['ours_over_torch']:.2f}x | {row['bubble_measured']:.3f} "
+            f"[{lo:.3f}-{hi:.3f}] / {row['bubble_theory']:.3f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument(
+        "--microbatches", type=int, nargs="+", default=[8], help="one or more M, interleaved"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    check_settings(args.rounds, args.steps, args.microbatches)
     import logging
 
     logging.getLogger("dynmo_hpc").setLevel(logging.WARNING)
     os.environ["DYNMO_LOG_LEVEL"] = "WARNING"
-    single, ours, torch_pp, bubbles = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = bench_config(Path(tmp), args.steps, args.microbatches, "bench")
-        runners = [
-            ("single", lambda: single.append(run_single(cfg))),
-            ("ours", lambda: (lambda r: (ours.append(r[0]), bubbles.append(r[1])))(run_ours(cfg))),
-            ("torch", lambda: torch_pp.append(run_torch(cfg))),
-        ]
-        for rnd in range(args.rounds):
-            order = runners[rnd % 3 :] + runners[: rnd % 3]
-            for name, fn in order:
-                fn()
-                print(f"round {rnd + 1}/{args.rounds}: {name} done", file=sys.stderr, flush=True)
-    med = statistics.median
-    p, m = 2, args.microbatches
-    print(
-        f"model: 10 layers (embedding, 8 blocks d_model=128, head), split [0,5,10], "
-        f"M={m} microbatches of 4 x 64 tokens, {args.rounds} rounds, medians"
-    )
-    print(f"{'configuration':<38}{'tokens/s':>10}")
-    print(f"{'single process (1 rank)':<38}{med(single):>10.0f}")
-    print(f"{'dynmo_hpc 1F1B (2 ranks)':<38}{med(ours):>10.0f}")
-    print(f"{'torch.distributed.pipelining 1F1B (2)':<38}{med(torch_pp):>10.0f}")
-    print(f"ours / single process: {med(ours) / med(single):.2f}x  (target >= 1.7x)")
-    print(f"ours / torch pipelining: {med(ours) / med(torch_pp):.2f}x  (target >= 1.0x)")
-    print(
-        f"bubble fraction: measured {med(bubbles):.3f}, theoretical (P-1)/(M+P-1) = "
-        f"{theoretical_bubble_fraction(p, m):.3f}"
-    )
-    print(
-        "per round (single, ours, torch): "
-        + "; ".join(
-            f"{a:.0f}, {b:.0f}, {c:.0f}" for a, b, c in zip(single, ours, torch_pp, strict=True)
-        )
-    )
+        figures = measure(Path(tmp), args.rounds, args.steps, args.microbatches)
+    rows = [summarise(m, figures[m]) for m in args.microbatches]
+    print_table(rows, args.rounds)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rounds": args.rounds, "steps": args.steps, "rows": rows}))
 
 
 if __name__ == "__main__":

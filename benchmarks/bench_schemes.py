@@ -71,6 +71,12 @@ def run_scheme(
     costs["cost_s"] = costs["forward_s"] + costs["backward_s"]
     blocks = costs[(costs["layer"] >= 1) & (costs["layer"] <= cfg.model.num_blocks)]
     steps_reported = sorted(blocks["step"].unique())
+    if not steps_reported:
+        raise SystemExit(
+            f"bench_schemes: {scheme} ran {cfg.train.steps} steps and made no load report "
+            f"(balance.interval={cfg.balance.interval}); HINT: use --steps "
+            f"{cfg.balance.interval} or more"
+        )
     summary: dict = {"scheme": scheme, "final_loss": result["final_loss"]}
     for label, step in (("start", steps_reported[0]), ("end", steps_reported[-1])):
         rows = blocks[blocks["step"] == step].set_index("layer")["cost_s"]

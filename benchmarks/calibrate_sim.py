@@ -295,6 +295,13 @@ def main() -> None:
     os.environ["DYNMO_LOG_LEVEL"] = "WARNING"
     chosen = set(args.only.split(",")) if args.only else {r.name for r in RUNS}
     runs = [r for r in RUNS if r.name in chosen]
+    unknown = sorted(chosen - {r.name for r in RUNS})
+    if unknown or len(runs) < 2:
+        raise SystemExit(
+            f"calibrate_sim: --only needs at least 2 known runs (each is predicted from the "
+            f"others), got {len(runs)} known, unknown {unknown}; HINT: choose from "
+            + ",".join(r.name for r in RUNS)
+        )
     optimizer_s_per_param = measure_optimizer_s_per_param()
     latency_s, bandwidth, one_way = measure_link()
     print(

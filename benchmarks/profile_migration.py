@@ -16,7 +16,7 @@ with AdamW state):
    exchange into recycled memory with the digest replaced by a constant (hashing off), and with
    only the sender or only the receiver hashing the chunks (which side's hashing costs time).
 
-    .venv/bin/python benchmarks/profile_migration.py [--reps 12]
+    .venv/bin/python benchmarks/profile_migration.py [--reps 12] [--d-models 512,1024]
 (part 3 re-launches itself under the venv's mpiexec with 2 ranks)
 """
 
@@ -99,7 +99,7 @@ def _python_row(d_model: int, flush: Callable[[], Any] | None) -> str:
     )
 
 
-def python_parts() -> None:
+def python_parts(d_models: tuple[int, ...]) -> None:
     import numpy as np
     import torch
 
@@ -111,7 +111,7 @@ def python_parts() -> None:
         target[:] = source
 
     print(f"{'d_model':>8}{'caches':>7}{'pack ms':>9}{'pickle ms':>11}{'unpack ms':>11}")
-    for d_model in D_MODELS:
+    for d_model in d_models:
         print(_python_row(d_model, None))
         print(_python_row(d_model, flush))
 
@@ -212,11 +212,11 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     return {"mb": total / 1e6, **{k: statistics.median(v) for k, v in times.items()}}
 
 
-def rank_main(reps: int) -> None:
+def rank_main(reps: int, d_models: tuple[int, ...]) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rows = {d_model: _wire_row(comm, d_model, reps) for d_model in D_MODELS}
+    rows = {d_model: _wire_row(comm, d_model, reps) for d_model in d_models}
     if comm.rank == 0:
         print(
             f"\n{'d_model':>8}{'MB':>8}{'Send ms':>9}{'exchange ms':>13}{'hashing off ms':>16}",
@@ -242,16 +242,25 @@ def rank_main(reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument(
+        "--d-models",
+        default=",".join(map(str, D_MODELS)),
+        help="layer widths, comma-separated (default %(default)s)",
+    )
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reps < 1:
+        raise SystemExit(f"profile_migration: --reps must be >= 1 for a median, got {args.reps}")
+    d_models = tuple(int(d) for d in args.d_models.split(","))
     if args.rank:
-        rank_main(args.reps)
+        rank_main(args.reps, d_models)
         return
-    python_parts()
+    python_parts(d_models)
     hash_speeds()
     from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
 
     argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
+    argv += ["--d-models", args.d_models]
     cmd = LocalMpiLauncher().command(LaunchSpec(2, argv))
     env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)

@@ -35,6 +35,11 @@ def shift(run_dir: Path) -> dict[str, float]:
     costs = log.layer_costs.copy()
     costs["cost_s"] = costs["forward_s"] + costs["backward_s"]
     steps = sorted(int(s) for s in costs["step"].unique())
+    if not steps:
+        raise SystemExit(
+            f"scheme_shift: {run_dir} has no load report; HINT: give runs of more than "
+            "balance.interval steps"
+        )
 
     def layer_costs(step: int) -> np.ndarray:
         rows = costs[costs["step"] == step].sort_values("layer")
