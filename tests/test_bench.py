@@ -151,7 +151,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = tmp_path / "bench"
     sets = [s for item in TINY if not item.startswith(("train.steps", "balance.algorithm"))
             for s in ("--set", item)]  # fmt: skip
-    argv = ["bench", "--schemes", "plain", "--policies", "uniform,optimal", "--repeats", "1"]
+    argv = ["bench", "--schemes", "plain", "--algorithms", "uniform,optimal", "--repeats", "1"]
     argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs"), *sets]
     assert main(argv) == 0
     text = (out / "results.md").read_text()

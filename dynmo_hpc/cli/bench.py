@@ -4,7 +4,7 @@ Why a subcommand: "is DynMo faster than what I run now?" deserves one command th
 the user's own machine, with the spread that says how far to trust the answer. For the plain model
 and each scheme job it trains the same job four times per repeat (static uniform as Megatron-LM
 does, static by parameters as DeepSpeed does, DynMo ``optimal``, DynMo ``diffusion``), interleaved
-(:func:`~dynmo_hpc.bench.policies.run_order`), checks that all four trained the same model (equal
+(:func:`~dynmo_hpc.bench.algorithms.run_order`), checks that all four trained the same model (equal
 losses), and writes ``results.md``, ``results.h5`` and ``results.png`` to ``--out``.
 
 Example::
@@ -79,7 +79,7 @@ def _names(choices: list[str]) -> Any:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "bench",
-        help="DynMo against the static splits: tokens/s per scheme and policy",
+        help="DynMo against the static splits: tokens/s per scheme and algorithm",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     p.add_argument(
@@ -89,7 +89,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=f"comma-separated, from {','.join(scheme_jobs())} (default: all)",
     )
     p.add_argument(
-        "--policies",
+        "--algorithms",
+        "--policies",  # the old name, still accepted
+        dest="algorithms",
         type=_names(list(ALGORITHMS)),
         default=list(ALGORITHMS),
         help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)",
@@ -97,14 +99,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--steps", type=int, default=None, help="train.steps for every run (default: the job's)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="runs per scheme and policy (default 3)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per scheme and algorithm (default 3)"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results directory")
     p.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="where the scheme jobs are")
     p.add_argument(
         "--loss-rtol",
         type=float,
         default=1e-6,
-        help="largest relative loss difference between policies that counts as equal",
+        help="largest relative loss difference between algorithms that counts as equal",
     )
     add_overrides_argument(p, "model.num_blocks=16")
     p.set_defaults(func=run)
@@ -175,7 +179,7 @@ def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this bench (for the results' header)."""
     words = ["dynmo-hpc", "bench", "--schemes", ",".join(args.schemes)]
-    words += ["--policies", ",".join(args.policies), "--repeats", str(args.repeats)]
+    words += ["--algorithms", ",".join(args.algorithms), "--repeats", str(args.repeats)]
     if args.steps is not None:
         words += ["--steps", str(args.steps)]
     words += ["--out", str(args.out)]
@@ -188,13 +192,13 @@ def _write_results(
     args: argparse.Namespace, base: dict[str, JobConfig], done: list[tuple[PlannedRun, RunFigures]]
 ) -> tuple[str, DynmoError | None]:
     """Summarize the runs done so far and (re)write the three files; returns the table text and
-    the first loss mismatch, if any (compared over the policies each repeat has finished)."""
+    the first loss mismatch, if any (compared over the algorithms each repeat has finished)."""
     rows: dict[str, dict[str, AlgorithmRow]] = {}
     for scheme in args.schemes:
-        for policy in args.policies:
-            runs = [f for p, f in done if p.scheme == scheme and p.algorithm == policy]
+        for algorithm in args.algorithms:
+            runs = [f for p, f in done if p.scheme == scheme and p.algorithm == algorithm]
             if runs:
-                rows.setdefault(scheme, {})[policy] = summarize(scheme, policy, runs)
+                rows.setdefault(scheme, {})[algorithm] = summarize(scheme, algorithm, runs)
     differences: dict[str, float] = {}
     mismatch: DynmoError | None = None
     for scheme in rows:
@@ -211,7 +215,7 @@ def _write_results(
     repeats_done = min((row.repeats for r in rows.values() for row in r.values()), default=0)
     command = _command(args)
     setting = _setting(base, args)
-    if len(done) < args.repeats * len(args.schemes) * len(args.policies):
+    if len(done) < args.repeats * len(args.schemes) * len(args.algorithms):
         setting += f"\n\nPartial: {len(done)} runs done; at least {repeats_done} repeat(s) each."
     text = render_markdown(rows, differences, command=command, setting=setting)
     atomic_write_text(args.out / "results.md", text)
@@ -233,12 +237,12 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = {scheme: _config(args, scheme, []) for scheme in args.schemes}
     params = {scheme: layer_params(cfg) for scheme, cfg in base.items()}
-    order = run_order(args.schemes, args.policies, args.repeats)
+    order = run_order(args.schemes, args.algorithms, args.repeats)
     log.info(
-        "bench: %d runs (%d schemes x %d policies x %d repeats) into %s",
+        "bench: %d runs (%d schemes x %d algorithms x %d repeats) into %s",
         len(order),
         len(args.schemes),
-        len(args.policies),
+        len(args.algorithms),
         args.repeats,
         args.out,
     )
