@@ -177,7 +177,7 @@ def rank_main(out_dir: Path) -> None:
 
     class ObservedTrainer(Trainer):
         """The real trainer; after every step (and its migration, if any) rank 0 collects the
-        fingerprint of every layer and every rank's frozen prefix."""
+        fingerprint of every layer and every rank's no-gradient prefix (``no_grad_below``)."""
 
         fingerprints: list[dict[str, Any]]
 
@@ -185,7 +185,7 @@ def rank_main(out_dir: Path) -> None:
             stats = super().step(step)
             stage = self.pipeline_stage
             mine = {slot.index: fingerprint(layer_snapshot(slot)) for slot in stage.slots}
-            gathered = self.comm.gather((mine, stage.frozen_prefix_end), root=0)
+            gathered = self.comm.gather((mine, stage.no_grad_below), root=0)
             if gathered is not None:
                 layers = {i: f for g, _ in gathered for i, f in g.items()}
                 self.fingerprints.append(
