@@ -105,6 +105,8 @@ def _field_strategies(cls: type) -> dict[str, st.SearchStrategy[Any]]:
     fields = _fields(cls)
     out: dict[str, st.SearchStrategy[Any]] = {}
     for name, hint in typing.get_type_hints(cls).items():
+        if name not in fields:  # a ClassVar (e.g. RENAMED_KEYS), not a YAML key
+            continue
         inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
         if inner:  # a scheme: empty (its defaults), a few of its keys, or junk
             out[name] = st.one_of(st.just({}), _section(inner[0], 2), _section(inner[0], 2), JUNK)
