@@ -153,7 +153,8 @@ def layer_snapshot(slot: Any) -> dict[str, Any]:
 
 def fingerprint(value: Any, path: str = "") -> dict[str, str]:
     """``value`` flattened to path -> its exact bits: a digest of a tensor's dtype, shape and
-    bytes, the repr of anything else (exact for floats), the type and length of a container."""
+    bytes, a function's qualified name (its repr holds a per-process address), the repr of anything
+    else (exact for floats), the type and length of a container."""
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous().reshape(-1).numpy().tobytes()
         header = f"{value.dtype}{tuple(value.shape)}".encode()
@@ -162,6 +163,8 @@ def fingerprint(value: Any, path: str = "") -> dict[str, str]:
         items = [(f"{path}.{key}", v) for key, v in value.items()]
     elif isinstance(value, list | tuple):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif callable(value) and hasattr(value, "__qualname__"):  # a function's repr has its address
+        return {path: f"callable:{value.__module__}.{value.__qualname__}"}
     else:
         return {path: f"{type(value).__name__}:{value!r}"}
     out = {path: f"{type(value).__name__} of {len(value)}"}
