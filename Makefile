@@ -10,6 +10,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 # The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
+	dynmo_hpc/pipeline/lineage.py dynmo_hpc/pipeline/manifest.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
 	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \

@@ -39,6 +39,7 @@ from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.schemes import restore_layer
 from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
 
 log = logging.getLogger(__name__)
@@ -151,15 +152,23 @@ def restore_layers(
 ) -> float:
     """Rebuild this rank's layers from ``directory`` (weights, AdamW, scheme state, counters).
 
-    ``pipeline_stage`` must have been built without layers. Returns the slowest rank's restore
-    time in seconds, counted from ``t0``. A rank that fails raises; under ``python -m mpi4py``
-    that aborts the job with its message.
+    ``pipeline_stage`` must have been built without layers. Each layer file is read once and
+    checked against its manifest entry (size, CRC-32) on the bytes loaded. Returns the slowest
+    rank's restore time in seconds, counted from ``t0``. A rank that fails raises; under
+    ``python -m mpi4py`` that aborts the job with its message.
     """
     stage = pipeline_stage
     cfg = stage.cfg
     slots: list[LayerSlot] = []
+    files = checkpoint.manifest_files(directory)
     for index in range(stage.parts[stage.stage], stage.parts[stage.stage + 1]):
-        payload = checkpoint.load_layer(directory, index)
+        expected = files.get(checkpoint.layer_name(index))
+        if expected is None:
+            raise CheckpointError(
+                f"checkpoint {directory}: its manifest lists no {checkpoint.layer_name(index)}; "
+                "HINT: resume from an earlier checkpoint"
+            )
+        payload = checkpoint.load_layer(directory, index, expected)
         try:
             module = restore_layer(cfg, index, payload["module"])
             checkpoint.restore_counters(module, payload.get("counters", {}))
@@ -190,6 +199,7 @@ def save(
     keep: int,
     run_state: dict[str, Any] | None,
     after_files: Callable[[], None] | None = None,
+    parent: Key | None = None,
 ) -> tuple[Path, float, int]:
     """Write checkpoint ``step`` collectively; returns (its path, seconds, bytes written).
 
@@ -197,6 +207,8 @@ def save(
     then writes the run state and the manifest, last, so the checkpoint is complete only once
     every file is. A stale directory of the same step (a replay after a crash) is replaced.
     ``after_files`` runs once this rank's layer files are written (fault injection).
+    ``parent`` (rank 0): the checkpoint this launch resumed from or wrote last, for the lineage
+    record (:mod:`.lineage`).
     """
     t0 = time.perf_counter()
     root = checkpoint.checkpoint_root(run_dir)
@@ -217,7 +229,7 @@ def save(
         assert run_state is not None, "rank 0 writes the run state"
         merged = {name: entry for part in gathered for name, entry in part.items()}
         merged[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, run_state)
-        checkpoint.commit(root, step, merged, keep)
+        checkpoint.commit(root, step, merged, keep, parent)
         num_bytes = sum(entry["bytes"] for entry in merged.values())
     else:
         num_bytes = 0
@@ -226,10 +238,12 @@ def save(
 
 
 def checked_resume_dir(cfg: JobConfig, path: Path) -> tuple[Path, dict[str, Any]]:
-    """Verify ``path`` (a ``step_<n>`` directory) and its fit to ``cfg``; returns it and its
-    run state. Used by the ranks, so a checkpoint damaged after the launcher chose it is still
-    refused with a clear error."""
-    problem = checkpoint.verify(path)
+    """Check ``path`` (a ``step_<n>`` directory) and its fit to ``cfg``; returns it and its
+    run state. Used by rank 0, so a checkpoint damaged after the launcher chose it is still
+    refused with a clear error: the cheap check (manifest, file sizes) and the run state's
+    CRC-32 here; each layer file's CRC-32 as its rank loads it (:func:`restore_layers`), so no
+    file is read twice on the ranks."""
+    problem = checkpoint.verify(path, only=(checkpoint.RUN_STATE,))
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be resumed from: {problem}")
     state = checkpoint.read_run_state(path)

@@ -50,6 +50,7 @@ from dynmo_hpc.pipeline.lifecycle import (
     log_failures,
     log_progress,
 )
+from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
 from dynmo_hpc.pipeline.migration import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
@@ -155,9 +156,17 @@ class Trainer:
         self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
         self.reporter = self._build_reporter(parts, state)
         self.last_checkpoint_monotonic = time.monotonic()
+        self.lineage_parent = self._lineage_key(resume_from)
+        """Rank 0: the checkpoint this launch resumed from or wrote last (lineage record)."""
         self.writer: Any = None
         if self.rank == 0:
             self._start_rank0_log(resume_from, state, restore_s, restart=restart)
+
+    def _lineage_key(self, directory: Path | None) -> Key | None:
+        """Rank 0: ``directory``'s lineage key (its manifest only), or None."""
+        if directory is None or self.rank != 0:
+            return None
+        return checkpoint.key_of(checkpoint.checkpoint_root(self.run_dir), directory)
 
     def _build_stage(self, parts: list[int], build_layers: bool) -> PipelineStage:
         """This rank's stage on ``parts``, linked to its neighbours (layers built unless they
@@ -222,13 +231,17 @@ class Trainer:
                 "parts": self.parts,
                 "saved_parts": state["parts"],
             }
-        elif restart:
-            restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
             log.info(
                 "resumed from %s (step %d) in %.2f s on partition %s",
                 resume_from,
                 self.start_step,
                 restore_s,
+                self.parts,
+            )
+        elif restart:
+            restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
+            log.info(
+                "restarted from the beginning (no complete checkpoint yet) on partition %s",
                 self.parts,
             )
         self.writer = self._open_runlog(restart_info)
@@ -266,10 +279,10 @@ class Trainer:
         )
 
     def _log_skipped_checkpoints(self, chosen: Path) -> None:
-        """Warn (log and run log) about newer checkpoints that were damaged or incomplete."""
-        chosen_step = int(chosen.name.removeprefix("step_"))
-        for candidate in checkpoint.scan(chosen.parent):
-            if candidate.step > chosen_step and candidate.problem is not None:
+        """Warn (log and run log) about newer checkpoints of the lineage that were damaged or
+        incomplete (:func:`~dynmo_hpc.pipeline.checkpoint.skipped_before`)."""
+        for candidate in checkpoint.skipped_before(chosen):
+            if candidate.problem is not None:
                 log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)
                 self.writer.log_event(
                     step=self.start_step,
@@ -522,8 +535,10 @@ class Trainer:
             self.cfg.checkpoint.keep,
             state,
             after_files=self.faults.hook("checkpoint", step - 1),
+            parent=self.lineage_parent,
         )
         self.last_checkpoint_monotonic = time.monotonic()
+        self.lineage_parent = self._lineage_key(directory)
         if self.rank == 0:
             self.packer.last_checkpoint_s = seconds
             self.writer.log_event(
