@@ -53,8 +53,11 @@ def _names(root: Path) -> list[str]:
 def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_restarts_stay_on_it(tmp_path):
     run_dir = tmp_path / "run"
     root = checkpoint.checkpoint_root(run_dir)
-    first = checkpoint.enter(root, None, restart=False)
+    assert checkpoint.enter(root, None, restart=False) is None
+    assert not root.exists()  # a fresh start writes nothing; the first save makes the branch
     s2 = _fake(root, 2)
+    first = lineage.read_head(root)
+    assert first is not None and first.start is None
     s4 = _fake(root, 4, parent=s2)
     _fake(root, 6, parent=s4)
     assert _names(root) == ["step_4", "step_6"]  # keep=2
@@ -91,8 +94,9 @@ def test_the_abandoned_branch_is_never_chosen_even_when_it_is_newer(tmp_path):
     checkpoint is not in the lineage: the search passes over it."""
     run_dir = tmp_path / "run"
     root = checkpoint.checkpoint_root(run_dir)
-    old = checkpoint.enter(root, None, restart=False)
     s4 = _fake(root, 4)
+    old = lineage.read_head(root)
+    assert old is not None
     _fake(root, 6, parent=s4)
     checkpoint.enter(root, s4, restart=False)
     (root / "abandoned" / old.branch / "step_6").rename(root / "step_6")
@@ -106,8 +110,8 @@ def test_damaged_newer_checkpoints_do_not_fork_the_branch(tmp_path):
     """A resume from step_4 because step_6 fails its checksum continues the branch."""
     run_dir = tmp_path / "run"
     root = checkpoint.checkpoint_root(run_dir)
-    head = checkpoint.enter(root, None, restart=False)
     s4 = _fake(root, 4)
+    head = lineage.read_head(root)
     s6 = _fake(root, 6, parent=s4)
     layer = s6 / checkpoint.layer_name(1)
     data = bytearray(layer.read_bytes())

@@ -321,17 +321,17 @@ def key_of(root: Path, directory: Path) -> Key:
     return entry_of(root, directory).key
 
 
-def enter(root: Path, resume_from: Path | None, *, restart: bool) -> Head:
-    """Start a launch on the run's lineage; returns the branch it writes to.
+def enter(root: Path, resume_from: Path | None, *, restart: bool) -> Head | None:
+    """Start a launch on the run's lineage; returns the branch it writes to (None: a fresh
+    start, whose first checkpoint creates the branch).
 
     A launch that resumes from the newest usable checkpoint of the current lineage (a restart,
     a requeue, ``--resume`` with no path) continues the current branch. Any other launch (a
     fresh run, a resume from an older checkpoint) starts a new branch from ``resume_from``:
     every top-level checkpoint outside the new lineage is moved under ``abandoned/<branch>/``
     (and logged), so it is never chosen or pruned, and ``latest`` names the new lineage's
-    newest checkpoint.
+    newest checkpoint. A fresh start writes nothing when there is nothing to set aside.
     """
-    root.mkdir(parents=True, exist_ok=True)
     head = read_head(root)
     resume = _relative(root, resume_from) if resume_from is not None else None
     if head is not None and continues(_checked_before(root, resume), head, resume, restart):
@@ -350,6 +350,10 @@ def enter(root: Path, resume_from: Path | None, *, restart: bool) -> Head:
             resume_from or "the beginning",
             path,
         )
+    if start is None:
+        (root / HEAD).unlink(missing_ok=True)
+        (root / LATEST).unlink(missing_ok=True)
+        return None
     write_head(root, new)
     point_latest(root, lineage_entries(root))
     return new
