@@ -6,12 +6,11 @@ only says how to start one step (:data:`RunStep`) and how to give nodes back (:d
 * A step that exits 0 with a resize request (:mod:`dynmo_hpc.handoff.resize`) is followed by a
   shrink and a new, smaller step that resumes from the pack's checkpoint.
 * A step that fails (a rank killed by a signal, an aborted rank, a failed migration) is
-  restarted from the newest complete checkpoint of the job's own lineage (or from the start
-  when there is none yet), up to ``fault.max_restarts`` times. Each failure is described from
-  the launcher's report and the ranks' status files (:mod:`dynmo_hpc.launch.failure`), logged,
-  and handed to the next step's rank 0 in ``failure_pending.json`` for the run log's
-  ``failure`` events. The same failure twice in a row (same rank, cause and step) is not
-  retried again: it is not transient.
+  restarted from the newest complete checkpoint (or from the start when there is none yet), up
+  to ``fault.max_restarts`` times. Each failure is described from the launcher's report and the
+  ranks' status files (:mod:`dynmo_hpc.launch.failure`), logged, and handed to the next step's
+  rank 0 in ``failure_pending.json`` for the run log's ``failure`` events. The same failure twice
+  in a row (same rank, cause and step) is not retried again: it is not transient.
 """
 
 from __future__ import annotations
@@ -103,13 +102,12 @@ def supervise(
     """Run the job's MPI steps until one ends without asking for a resize or a restart.
 
     ``restart``: the first step starts over, appending to the run log (a requeued job with no
-    checkpoint yet).
+    checkpoint yet). The job continues the run's checkpoint branch when it resumes from the
+    newest checkpoint of the lineage, else starts one (:func:`dynmo_hpc.pipeline.lineage.enter`).
     """
     failures: list[StepFailure] = []
     restarts, restart_fresh = 0, restart
-    # The branch this job writes to: continued when it resumes from the newest checkpoint of
-    # the run's lineage, else a new one (the checkpoints outside it are set aside).
-    lineage.enter(cfg.run_dir / "checkpoint", resume_from, restart=restart)
+    lineage.enter(cfg.run_dir / "checkpoint", resume_from, restart=restart)  # continue or fork
     # A request or phases file left by a launcher that died: not this run's to act on.
     take_request(cfg.run_dir)
     (cfg.run_dir / RESIZE_PHASES).unlink(missing_ok=True)
