@@ -124,6 +124,22 @@ def test_damaged_newer_checkpoints_do_not_fork_the_branch(tmp_path):
     assert _names(root) == ["step_4", "step_6"] and not (root / "abandoned").exists()
 
 
+def test_a_damaged_lineage_record_is_a_damaged_checkpoint(tmp_path):
+    """A changed byte in the record (another branch id) must not move the checkpoint into
+    another history silently: the record has its own CRC-32, and the search skips it."""
+    run_dir = tmp_path / "run"
+    root = checkpoint.checkpoint_root(run_dir)
+    s4 = _fake(root, 4)
+    s6 = _fake(root, 6, parent=s4)
+    path = s6 / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["lineage"]["branch"] = "0" * 12
+    path.write_text(json.dumps(manifest))
+    chosen, skipped = checkpoint.resolve(run_dir)
+    assert chosen.path == s4 and [c.path for c in skipped] == [s6]
+    assert "lineage record" in (skipped[0].problem or "")
+
+
 def test_a_directory_from_before_lineages_resumes_newest_first(tmp_path):
     run_dir = tmp_path / "run"
     root = checkpoint.checkpoint_root(run_dir)
@@ -134,6 +150,7 @@ def test_a_directory_from_before_lineages_resumes_newest_first(tmp_path):
         path = root / f"step_{step}" / "manifest.json"
         manifest = json.loads(path.read_text())
         del manifest["lineage"]
+        manifest["format"] = 1
         path.write_text(json.dumps(manifest))
     assert newest_checkpoint(run_dir) == root / "step_4"
     head = checkpoint.enter(root, root / "step_2", restart=False)

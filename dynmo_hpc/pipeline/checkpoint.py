@@ -46,8 +46,16 @@ from dynmo_hpc.pipeline.lineage import key_of as key_of
 from dynmo_hpc.pipeline.manifest import FORMAT_VERSION as FORMAT_VERSION
 from dynmo_hpc.pipeline.manifest import LATEST as LATEST
 from dynmo_hpc.pipeline.manifest import MANIFEST as MANIFEST
+from dynmo_hpc.pipeline.manifest import (
+    MANIFEST_FORMAT,
+    check_entry,
+    is_int,
+    lineage_crc,
+    read_file_bytes,
+    read_json,
+    verify,
+)
 from dynmo_hpc.pipeline.manifest import RUN_STATE as RUN_STATE
-from dynmo_hpc.pipeline.manifest import check_entry, is_int, read_file_bytes, read_json, verify
 from dynmo_hpc.pipeline.manifest import manifest_files as manifest_files
 from dynmo_hpc.pipeline.manifest import quick_problem as quick_problem
 from dynmo_hpc.pipeline.manifest import step_of as _step_of
@@ -116,13 +124,14 @@ def commit(
     """
     directory = step_dir(root, step)
     head = lineage.current_branch(root, parent)
-    record = {
+    record: dict[str, Any] = {
         "branch": head.branch,
         "start": head.start.to_json() if head.start else None,
         "parent": parent.to_json() if parent else None,
     }
+    record["crc32"] = lineage_crc(record)
     manifest = {
-        "format": FORMAT_VERSION,
+        "format": MANIFEST_FORMAT,
         "step": step,
         "files": dict(sorted(files.items())),
         "lineage": record,

@@ -22,6 +22,9 @@ from typing import Any
 
 FORMAT_VERSION = 1
 """Bumped when the layout or the files' contents change incompatibly."""
+MANIFEST_FORMAT = 2
+"""A manifest with a lineage record (:mod:`.lineage`); format-1 manifests (written before
+lineages) are still read. Layer files and run states stay at :data:`FORMAT_VERSION`."""
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 LATEST = "latest"
@@ -58,8 +61,11 @@ def manifest_problem(manifest: Any, directory: Path) -> str | None:
     """Why a parsed manifest cannot be trusted, or None: types, file names, the step."""
     if not isinstance(manifest, dict):
         return "manifest.json is not a JSON object (corrupt)"
-    if manifest.get("format") != FORMAT_VERSION:
-        return f"format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}"
+    if manifest.get("format") not in (FORMAT_VERSION, MANIFEST_FORMAT):
+        return (
+            f"format {manifest.get('format')!r}, this version reads {FORMAT_VERSION} or "
+            f"{MANIFEST_FORMAT}"
+        )
     step = step_of(directory)
     if "step" in manifest and step is not None and manifest["step"] != step:
         return f"manifest.json is for step {manifest['step']!r}, the directory is {directory.name}"
@@ -80,6 +86,27 @@ def manifest_problem(manifest: Any, directory: Path) -> str | None:
     layers = sorted(int(name[6:-3]) for name in files if name != RUN_STATE)
     if layers != list(range(len(layers))):
         return f"the manifest lists layers {layers}, not 0..{len(layers) - 1} (corrupt)"
+    return _lineage_problem(manifest)
+
+
+def lineage_crc(record: dict[str, Any]) -> int:
+    """The CRC-32 of a lineage record (without its own ``crc32``), canonical JSON."""
+    body = {k: v for k, v in record.items() if k != "crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _lineage_problem(manifest: dict[str, Any]) -> str | None:
+    """A format-2 manifest must carry an intact lineage record: the choice of a restart reads
+    it, and a flipped byte in it must not move a checkpoint into another history."""
+    if manifest.get("format") == FORMAT_VERSION:
+        return None  # written before lineages
+    record = manifest.get("lineage")
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("branch"), str)
+        or record.get("crc32") != lineage_crc(record)
+    ):
+        return "manifest.json's lineage record is missing or fails its CRC-32 check (corrupt)"
     return None
 
 
