@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument, add_resume_arguments
@@ -33,30 +34,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def resolve_resume(
-    cfg: config_mod.JobConfig, path_text: str, allowed: Sequence[str] = ()
+    cfg: config_mod.JobConfig,
+    path_text: str,
+    allowed: Sequence[str] = (),
+    out: TextIO | None = None,
 ) -> Path:
     """The verified checkpoint directory ``--resume [PATH]`` names, checked against the job
-    under the resume rules (``allowed``: the ``--allow-change`` keys); prints what changed."""
-    from dynmo_hpc.pipeline import checkpoint, resume
+    under the resume rules (``allowed``: the ``--allow-change`` keys); prints what it chose and
+    each accepted change to ``out`` (default stdout), warnings to stderr."""
+    from dynmo_hpc.pipeline import resume
 
-    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
-    for candidate in skipped:
+    chosen = resume.choose_checkpoint(cfg, path_text, allowed)
+    out = sys.stdout if out is None else out
+    for candidate in chosen.skipped:
         print(
             f"warning: skipping checkpoint {candidate.path}: {candidate.problem}", file=sys.stderr
         )
-    state = checkpoint.read_run_state(chosen.path)
-    verdict = resume.check_compatible(cfg, state, chosen.path, allowed)
-    if "config" not in state:
+    if "config" not in chosen.state:
         print(
             f"warning: {chosen.path} predates saved configs: only model, schemes, data, seed and "
             "train.steps were checked, not train.*",
             file=sys.stderr,
         )
-    for change in verdict.accepted:
-        print(f"accepted change (--allow-change): {change.describe()}", flush=True)
+    for change in chosen.verdict.accepted:
+        print(f"accepted change (--allow-change): {change.describe()}", file=out, flush=True)
     print(
         f"resuming from {chosen.path} (after step {chosen.step} of {cfg.train.steps}, "
-        f"{len(state['parts']) - 1} stages -> {cfg.pipeline.num_stages})",
+        f"{len(chosen.state['parts']) - 1} stages -> {cfg.pipeline.num_stages})",
+        file=out,
         flush=True,
     )
     return chosen.path

@@ -61,6 +61,10 @@ KEY_RULES: dict[str, KeyRule] = {
 """Dotted key or section prefix -> rule; the longest matching prefix wins."""
 
 
+STEPS_KEY = "train.steps"
+"""The one key under :attr:`KeyRule.STEPS`."""
+
+
 def classify(key: str) -> KeyRule:
     """The rule for dotted ``key`` (longest prefix in :data:`KEY_RULES`; MATH if none)."""
     parts = key.split(".")
@@ -132,12 +136,12 @@ def judge_resume(
         "passed": [],
     }
     below: KeyChange | None = None
+    steps = current.get(STEPS_KEY)
+    if isinstance(steps, int) and steps < checkpoint_step:  # changed or not (older checkpoints)
+        below = KeyChange(STEPS_KEY, saved.get(STEPS_KEY), steps, KeyRule.STEPS)
     for change in changed_keys(saved, current):
-        if change.rule is KeyRule.STEPS and isinstance(change.new, int):
-            if change.new < checkpoint_step:
-                below = change
-                continue
-        sorted_changes[_bucket(change, allowed)].append(change)
+        if change.key != STEPS_KEY or below is None:
+            sorted_changes[_bucket(change, allowed)].append(change)
     return ResumeVerdict(below_checkpoint=below, **sorted_changes)
 
 

@@ -131,6 +131,13 @@ def is_locked(run_dir: Path) -> bool:
     return False
 
 
+def refuse_if_locked(run_dir: Path) -> None:
+    """Raise :class:`LaunchError` naming the holder while a running job holds ``run_dir``
+    (a resume submitted while the run it continues is still running would share its files)."""
+    if is_locked(run_dir):
+        raise LaunchError(_busy(run_dir))
+
+
 def claim_run_dir(run_dir: Path, *, overwrite: bool, locked_by_us: bool = False) -> None:
     """Make ``run_dir`` ready for a new run: refuse one that holds a run, or clear it.
 
@@ -144,8 +151,8 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, locked_by_us: bool = False)
         LaunchError: the directory holds a run and ``overwrite`` is False, or a running job
             holds it (unless ``locked_by_us``: the caller holds :func:`lock_run_dir`).
     """
-    if not locked_by_us and is_locked(run_dir):
-        raise LaunchError(_busy(run_dir))
+    if not locked_by_us:
+        refuse_if_locked(run_dir)
     found = run_outputs(run_dir)
     if not found:
         return

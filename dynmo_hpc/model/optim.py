@@ -61,9 +61,7 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, train: TrainSection)
     """
     wanted = group_hyperparameters(train)
     if len(optimizer.param_groups) != len(wanted):
-        raise ValueError(
-            f"{len(optimizer.param_groups)} parameter groups, expected {len(wanted)}"
-        )
+        raise ValueError(f"{len(optimizer.param_groups)} parameter groups, expected {len(wanted)}")
     for group, hyper in zip(optimizer.param_groups, wanted, strict=True):
         group.update(hyper)
 

@@ -53,6 +53,7 @@ from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
 
 log = logging.getLogger(__name__)
 
+
 def config_dict(cfg: JobConfig) -> dict[str, Any]:
     """The whole config flattened to dotted keys, as JSON gives it back (saved in every run
     state, so a resume can name each key that changed)."""
@@ -112,6 +113,33 @@ def check_compatible(
     verdict = check_identity(cfg, state, where, allowed)
     check_run_log(cfg.run_dir / "run.h5")
     return verdict
+
+
+@dataclass(frozen=True)
+class ChosenCheckpoint:
+    """The checkpoint ``--resume [PATH]`` resolved to, judged against the job."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+    verdict: ResumeVerdict
+    skipped: list[checkpoint.Candidate]
+    """Newer checkpoints passed over (damaged or incomplete), each with its problem."""
+
+
+def choose_checkpoint(
+    cfg: JobConfig, path_text: str, allowed: Collection[str] = ()
+) -> ChosenCheckpoint:
+    """Resolve ``--resume [PATH]`` (empty: the job's run directory) to a verified checkpoint
+    and check it under the resume rules; the launcher's side, before any rank starts.
+
+    Raises:
+        CheckpointError: nothing intact to resume from, or a change the rules refuse.
+    """
+    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
+    state = checkpoint.read_run_state(chosen.path)
+    verdict = check_compatible(cfg, state, chosen.path, allowed)
+    return ChosenCheckpoint(chosen.path, chosen.step, state, verdict, list(skipped))
 
 
 def check_run_log(path: Path) -> None:

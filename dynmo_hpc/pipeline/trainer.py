@@ -294,9 +294,7 @@ class Trainer:
             ]
         }
         self.writer.log_event(step=self.start_step, kind="config_change", detail=detail)
-        log.warning(
-            "resumed with changed settings: %s", ", ".join(c.describe() for c in changes)
-        )
+        log.warning("resumed with changed settings: %s", ", ".join(c.describe() for c in changes))
 
     def _log_resize(self, restore_s: float) -> None:
         """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
