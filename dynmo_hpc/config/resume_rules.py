@@ -189,11 +189,13 @@ def refusal_message(verdict: ResumeVerdict, where: str, checkpoint_step: int) ->
             f"--resume an earlier checkpoint (checkpoint/step_<n> with n <= {steps})"
         )
     if verdict.identity:
-        shown = ", ".join(c.describe() for c in verdict.identity)
+        shown = ", ".join(
+            f"{c.key} (checkpoint {c.saved!r}, job {c.new!r})" for c in verdict.identity[:6]
+        )
+        more = f" and {len(verdict.identity) - 6} more" if len(verdict.identity) > 6 else ""
         return (
-            f"cannot resume from {where}: the job changes {shown}, which the checkpoint's layers "
-            "depend on; HINT: resume with the job file that wrote it, or start a new run "
-            "(another job.name, or --overwrite)"
+            f"checkpoint {where} does not fit this job: {shown}{more} differ; HINT: resume with "
+            "the job file that wrote it, or start a new run (another job.name, or --overwrite)"
         )
     if verdict.refused:
         shown = ", ".join(c.describe() for c in verdict.refused)
