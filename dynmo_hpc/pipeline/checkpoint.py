@@ -393,12 +393,6 @@ def load_layer(
 # -- compatibility ----------------------------------------------------------------------------
 
 
-def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two ``identity`` dicts (see the trainer)."""
-    keys = sorted(set(saved) | set(current))
-    return [k for k in keys if saved.get(k) != current.get(k)]
-
-
 def flatten(prefix: str, value: Any) -> dict[str, Any]:
     """``{"model": {"d_model": 128}}`` -> ``{"model.d_model": 128}`` (lists kept as values)."""
     if isinstance(value, dict):

@@ -31,6 +31,7 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config.resume_rules import KeyRule
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
@@ -247,8 +248,9 @@ class Trainer:
         self.writer = self._open_runlog(restart_info)
         self.reporter.writer = self.writer
         log_failures(self.writer, self.run_dir)
-        if resume_from is not None:
+        if resume_from is not None and state is not None:
             self._log_skipped_checkpoints(resume_from)
+            self._log_config_changes(state)
         launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             self.packer.startup_s = time.time() - launched_unix_s
@@ -289,6 +291,23 @@ class Trainer:
                     kind="checkpoint_skipped",
                     detail={"path": str(candidate.path), "problem": candidate.problem},
                 )
+
+    def _log_config_changes(self, state: dict[str, Any]) -> None:
+        """Log (and record as a ``config_change`` event) each change that alters the training
+        math or length since the checkpoint: the launcher refused those not allowed
+        (``--allow-change``), so every one logged here applies from this step on."""
+        verdict = resume.judge(self.cfg, state)
+        changes = [c for c in verdict.accepted + verdict.passed if c.rule is not KeyRule.FREE]
+        if not changes:
+            return
+        detail = {
+            "changes": [
+                {"key": c.key, "saved": c.saved, "new": c.new, "rule": c.rule.value}
+                for c in changes
+            ]
+        }
+        self.writer.log_event(step=self.start_step, kind="config_change", detail=detail)
+        log.warning("resumed with changed settings: %s", ", ".join(c.describe() for c in changes))
 
     def _log_resize(self, restore_s: float) -> None:
         """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
@@ -504,6 +523,7 @@ class Trainer:
             "num_layers": cfg.model.num_layers,
             "identity": resume.identity(cfg),
             "config_sha256": resume.config_sha256(cfg),
+            "config": resume.config_dict(cfg),
             "data": {"next_step": step, "batches": "pure function of (job.seed, step, microbatch)"},
             "lr_schedule": {"next_step": step, "next_lr": lr_at(step, cfg.train)},
             "rng": {"seed": cfg.job.seed, "stateful_generators": []},

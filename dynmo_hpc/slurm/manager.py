@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def run_manager(
     launcher: str | None = None,
     loopback_only: bool | None = None,
     resume: bool | None = None,
+    resume_path: str | Path | None = None,
     handle_preemption: bool = True,
 ) -> JobOutcome:
     """Run the job's training as MPI steps in the current allocation; returns how it ended.
@@ -116,7 +118,9 @@ def run_manager(
     (:func:`~dynmo_hpc.launch.supervisor.supervise`).
 
     ``resume``: continue from the run's newest complete checkpoint (from the start, appending to
-    the run log, when there is none); None: when SLURM has requeued the job. With
+    the run log, when there is none); None: when SLURM has requeued the job. ``resume_path``:
+    the checkpoint the job's first run continues from (``sbatch|submit --resume``, checked on
+    the submit host); a requeued run ignores it and continues from the newest. With
     ``handle_preemption`` the manager catches SIGUSR2 and SIGTERM itself and passes them to the
     step; a submitit job leaves SIGUSR2 to submitit, whose handler calls
     :meth:`dynmo_hpc.slurm.requeue.ManagerJob.checkpoint`.
@@ -145,7 +149,7 @@ def run_manager(
         ),
         handle_preemption=handle_preemption,
     )
-    resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id)
+    resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id, resume_path)
     t0 = time.perf_counter()
     with lock_run_dir(cfg.run_dir):
         outcome = supervise(
@@ -160,10 +164,13 @@ def run_manager(
 
 
 def _starting_checkpoint(
-    run_dir: Path, resume: bool | None, job_id: int
+    run_dir: Path, resume: bool | None, job_id: int, resume_path: str | Path | None = None
 ) -> tuple[bool, Path | None]:
     """Whether the job continues (``resume``, or None: when SLURM requeued it) and from which
-    checkpoint (None: from the beginning, appending to the run log)."""
+    checkpoint (None: from the beginning, appending to the run log). ``resume_path`` names it
+    for a first run; a requeued run has written newer checkpoints, so it takes the newest."""
+    if resume_path is not None and requeue_count() == 0 and resume is not True:
+        return True, Path(resume_path)
     if resume is None:
         resume = requeue_count() > 0
     resume_from = newest_checkpoint(run_dir) if resume else None
@@ -288,7 +295,17 @@ def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> 
     return StepResult(rc, step.tail(), interrupted=ActiveStep.stop_signal)
 
 
-def requeue(job_id: str | int) -> bool:
+CONTINUE_GENERIC = "dynmo-hpc sbatch <its run directory>/config.yaml --submit --resume"
+"""The command that continues a run, when its config path is not known."""
+
+
+def continue_command(config_path: str | Path) -> str:
+    """The command that continues this run on the cluster from its newest checkpoint: the
+    resolved ``config.yaml`` in the run directory holds every ``--set`` already."""
+    return f"dynmo-hpc sbatch {shlex.quote(str(config_path))} --submit --resume"
+
+
+def requeue(job_id: str | int, config_path: str | Path | None = None) -> bool:
     """``scontrol requeue``: SLURM ends this run of the job and queues it again; False (logged)
     when SLURM refused (e.g. a job submitted with ``--no-requeue``)."""
     try:
@@ -303,11 +320,13 @@ def requeue(job_id: str | int) -> bool:
         log.error("cannot requeue job %s: %s", job_id, exc)
         return False
     if out.returncode != 0:
+        hint = continue_command(config_path) if config_path is not None else CONTINUE_GENERIC
         log.error(
-            "scontrol requeue %s failed: %s; HINT: submit the job again; it resumes from its "
-            "newest checkpoint (dynmo-hpc sbatch/submit ... --set ... and --resume locally)",
+            "scontrol requeue %s failed: %s; HINT: the run continues from its newest checkpoint "
+            "with: %s",
             job_id,
             (out.stderr or out.stdout).strip(),
+            hint,
         )
         return False
     return True
@@ -318,12 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     if not args:
         print(
-            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [section.key=value ...]",
+            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [--resume CHECKPOINT_DIR] "
+            "[section.key=value ...]",
             file=sys.stderr,
         )
         return 2
+    config_path, rest = args[0], args[1:]
+    resume_path = None
+    if rest[:1] == ["--resume"] and len(rest) >= 2:
+        resume_path, rest = rest[1], rest[2:]
     try:
-        outcome = run_manager(args[0], args[1:])
+        outcome = run_manager(config_path, rest, resume_path=resume_path)
     except (ConfigError, LaunchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -332,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         # run again from there (the template asks for --requeue).
         job_id = read_slurm_env().job_id
         log.warning("requeueing job %s; it will resume from its newest checkpoint", job_id)
-        return 0 if requeue(job_id) else 1
+        return 0 if requeue(job_id, config_path) else 1
     return outcome.exit_code
 
 
