@@ -188,9 +188,7 @@ def test_sigusr2_during_the_shrink_requeues_instead_of_killing_the_manager(
 
 
 def test_a_requeued_packed_job_releases_the_nodes_it_does_not_need(tmp_path: Path) -> None:
-    out, calls, _ = run_fake_manager(
-        tmp_path, ["finish"], "pipeline.num_stages=2", restart_count=1
-    )
+    out, calls, _ = run_fake_manager(tmp_path, ["finish"], "pipeline.num_stages=2", restart_count=1)
     assert out.returncode == 0, out.stderr[-3000:]
     updates = [call for call in calls if call[:2] == ["scontrol", "update"]]
     assert updates == [["scontrol", "update", "JobId=77", "NodeList=node1,node2"]], calls
