@@ -176,7 +176,7 @@ def test_sbatch_job_whose_shrink_is_refused_completes_at_the_original_size(
     assert real, "scontrol not found on the cluster's PATH"
     shims = tmp_path / "bin"
     shims.mkdir()
-    (shims / "scontrol").write_text(REFUSING_SCONTROL.format(real=real))
+    (shims / "scontrol").write_text(REFUSING_SCONTROL.replace("{real}", real))
     (shims / "scontrol").chmod(0o755)
     env = {**slurm_cluster.env, "PATH": f"{shims}:{slurm_cluster.env['PATH']}"}
     name = unique("elastic-refused")
