@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from dynmo_hpc.handoff.resize import unshrunk_config
 from dynmo_hpc.launch.supervisor import StepResult
 from dynmo_hpc.slurm.manager import retry_relaunch
 from dynmo_hpc.slurm.resize import nodes_after_release
-from tests.helpers.jobs import ROOT, tiny_config
+from tests.helpers.jobs import ROOT, run_job, tiny_config
 
 FAKE_SRUN = """
 import json, os, pathlib, sys, time
@@ -43,6 +44,15 @@ with log.open("a") as f:
     f.write(json.dumps(["srun", *sys.argv[1:]]) + "\\n")
 action = plan[min(n, len(plan) - 1)]
 run_dir = pathlib.Path(next(a for a in sys.argv if a.endswith("config.yaml"))).parent
+if action == "crash_in_checkpoint":  # a rank killed while writing the pack's checkpoint
+    partial = run_dir / "checkpoint" / "step_6"
+    partial.mkdir(parents=True)
+    (partial / "stage_0.pt").write_bytes(b"half a checkpoint")
+    (run_dir / "ranks").mkdir(exist_ok=True)
+    (run_dir / "ranks" / "rank_1.json").write_text(json.dumps(
+        {"rank": 1, "pid": os.getpid(), "attempt": 0, "phase": "checkpoint", "step": 5}))
+    print("srun: error: node2: task 1: Killed", file=sys.stderr)
+    sys.exit(137)
 if action == "no_rank":
     print("srun: error: Unable to create step for job: Requested node configuration is not "
           "available", file=sys.stderr)
@@ -83,6 +93,7 @@ def run_fake_manager(
     *overrides: str,
     scontrol: str = "",
     restart_count: int = 0,
+    checkpoints: Path | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[list[str]], Path]:
     """The manager in a faked 4-node allocation; (its process, the fake calls, the run dir)."""
     bin_dir = tmp_path / "bin"
@@ -91,6 +102,8 @@ def run_fake_manager(
     _shim(bin_dir, "scontrol", FAKE_SCONTROL)
     cfg = tiny_config(tmp_path, "job.name=fake", "pipeline.num_stages=4", *overrides)
     cfg.run_dir.mkdir(parents=True)
+    if checkpoints is not None:
+        shutil.copytree(checkpoints, cfg.run_dir / "checkpoint")
     config_path = cfg.run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     calls_log = tmp_path / "calls.jsonl"
@@ -201,6 +214,29 @@ def test_a_first_run_on_the_nodes_it_needs_releases_nothing(tmp_path: Path) -> N
     out, calls, _ = run_fake_manager(tmp_path, ["finish"], restart_count=1)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not [call for call in calls if call[:2] == ["scontrol", "update"]], calls
+
+
+def test_a_crash_during_the_pack_checkpoint_restarts_from_the_last_complete_one(
+    tmp_path: Path,
+) -> None:
+    """The step dies while writing checkpoint step_6 (no manifest): the manager's restart
+    resumes from step_4, the newest complete checkpoint, never from the partial one."""
+    source = tiny_config(
+        tmp_path / "src", "job.name=src", "train.steps=5", "checkpoint.every_steps=2"
+    )
+    run_job(source)
+    assert (source.run_dir / "checkpoint" / "step_4" / "manifest.json").is_file()
+    out, calls, run_dir = run_fake_manager(
+        tmp_path,
+        ["crash_in_checkpoint", "finish"],
+        "elastic.enabled=true",
+        "fault.max_restarts=1",
+        checkpoints=source.run_dir / "checkpoint",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = _srun_calls(calls)
+    assert "--resume" not in first
+    assert second[second.index("--resume") + 1] == str(run_dir / "checkpoint" / "step_4")
 
 
 @pytest.mark.parametrize(
