@@ -181,11 +181,11 @@ def _run_in_allocation(
         ),
     )
     resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id)
-    if resume:
-        # A requeued packed job may get its original --nodes back: keep only what it needs.
-        steps.release_surplus(cfg)
     t0 = time.perf_counter()
     with lock_run_dir(cfg.run_dir):
+        if resume:
+            # A requeued packed job may get its original --nodes back: keep only what it needs.
+            steps.release_surplus(cfg)
         outcome = supervise(
             cfg,
             steps.run_step,
