@@ -5,6 +5,9 @@ only says how to start one step (:data:`RunStep`) and how to give nodes back (:d
 
 * A step that exits 0 with a resize request (:mod:`dynmo_hpc.handoff.resize`) is followed by a
   shrink and a new, smaller step that resumes from the pack's checkpoint.
+  When the backend cannot shrink (:class:`~dynmo_hpc.handoff.resize.ShrinkRefused`), the job
+  continues at its current size from that checkpoint, with packing off, and the next step's
+  rank 0 logs a ``shrink_refused`` event.
 * A step that fails (a rank killed by a signal, an aborted rank, a failed migration) is
   restarted from the newest complete checkpoint (or from the start when there is none yet), up
   to ``fault.max_restarts`` times. Each failure is described from the launcher's report and the
@@ -27,8 +30,14 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.handoff import rank_status
-from dynmo_hpc.handoff.failures import add_pending_failure
-from dynmo_hpc.handoff.resize import RESIZE_PHASES, resized_config, take_request
+from dynmo_hpc.handoff.failures import add_pending_event, add_pending_failure
+from dynmo_hpc.handoff.resize import (
+    RESIZE_PHASES,
+    ShrinkRefused,
+    resized_config,
+    take_request,
+    unshrunk_config,
+)
 from dynmo_hpc.launch.failure import StepFailure, describe_failure
 from dynmo_hpc.launch.rundir import prepare_run_dir
 from dynmo_hpc.pipeline import lineage
@@ -179,7 +188,10 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
         request["checkpoint"],
     )
     smaller = resized_config(cfg, new_stages, parts)
-    shrink_s = shrink(smaller)
+    try:
+        shrink_s = shrink(smaller)
+    except ShrinkRefused as exc:
+        return _continue_unshrunk(cfg, request, str(exc))
     phases = {
         "from_stages": cfg.pipeline.num_stages,
         "to_stages": new_stages,
@@ -193,3 +205,29 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
     }
     atomic_write_text(cfg.run_dir / RESIZE_PHASES, json.dumps(phases, indent=1))
     return smaller
+
+
+def _continue_unshrunk(cfg: JobConfig, request: dict[str, Any], why: str) -> JobConfig:
+    """After a refused shrink: the job on the stages it had (packing off), resuming from the
+    pack's checkpoint; the refusal goes to the log now and to the run log with the next step."""
+    log.error(
+        "the shrink to %d stages was refused (%s); continuing on %d stages from %s, with packing "
+        "off for the rest of this run",
+        int(request["num_stages"]),
+        why,
+        cfg.pipeline.num_stages,
+        request["checkpoint"],
+    )
+    add_pending_event(
+        cfg.run_dir,
+        "shrink_refused",
+        {
+            "step": int(request["step"]) - 1,
+            "from_stages": cfg.pipeline.num_stages,
+            "to_stages": int(request["num_stages"]),
+            "checkpoint": str(request["checkpoint"]),
+            "message": why,
+            "unix_s": time.time(),
+        },
+    )
+    return unshrunk_config(cfg)

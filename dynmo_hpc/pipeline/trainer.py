@@ -34,6 +34,7 @@ from dynmo_hpc.config import JobConfig
 from dynmo_hpc.config.resume_rules import KeyRule
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases, write_request
+from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, resume
@@ -159,6 +160,7 @@ class Trainer:
         self.last_checkpoint_monotonic = time.monotonic()
         self.lineage_parent = self._lineage_key(resume_from)
         """Rank 0: the checkpoint this launch resumed from or wrote last (lineage record)."""
+        self.signal_budget_checked = False
         self.writer: Any = None
         if self.rank == 0:
             self._start_rank0_log(resume_from, state, restore_s, restart=restart)
@@ -543,6 +545,22 @@ class Trainer:
             },
         }
 
+    def _check_signal_budget(self, step: int, checkpoint_s: float) -> None:
+        """Rank 0, at this launch's first checkpoint: warn (log and run log) when a step plus a
+        checkpoint do not fit in ``slurm.signal_delay_s``
+        (:mod:`dynmo_hpc.handoff.signal_budget`)."""
+        if self.signal_budget_checked:
+            return
+        budget = measured_budget(
+            self.result.step_time_s, [checkpoint_s], self.cfg.slurm.signal_delay_s
+        )
+        if budget is None:
+            return
+        self.signal_budget_checked = True
+        if not budget.fits():
+            log.warning("%s", budget.problem())
+            self.writer.log_event(step=step, kind="signal_budget", detail=budget.to_event())
+
     def save_checkpoint(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
         state = self.run_state(step) if self.rank == 0 else None
@@ -571,6 +589,7 @@ class Trainer:
                     "bytes": num_bytes,
                 },
             )
+            self._check_signal_budget(step - 1, seconds)
             self.writer.flush()
             log.info(
                 "checkpoint step %d: %.1f MB in %.2f s -> %s",
