@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynmo_hpc.balance import stage_loads
 from dynmo_hpc.balance.packing import (
@@ -19,8 +20,6 @@ from dynmo_hpc.balance.packing import (
     plan_pack,
     predict_step_time_s,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 HEAVY = [1.0, 1.0, 1.0, 6.0, 1.0, 1.0, 1.0]
 """One layer no partition can split: it sets the pace on 3 stages as on 4."""
@@ -332,7 +331,7 @@ def test_a_pack_is_never_worse_than_rebalancing_by_more_than_the_bound(
     parts_new = plan.chosen.parts
     k = len(parts_new) - 1
     assert k in smaller and parts_new[0] == 0 and parts_new[-1] == n
-    assert all(a < b for a, b in zip(parts_new, parts_new[1:]))
+    assert all(a < b for a, b in itertools.pairwise(parts_new))
     assert max(stage_loads(memory, parts_new)) <= capacity * (1 + 1e-9)  # never over memory
     step_s = predict_step_time_s(costs, parts_new, num_microbatches, comm_s=comm_s)
     assert step_s * (1 - max_slowdown) <= best_now_s * (1 + 1e-9)  # never past the bound

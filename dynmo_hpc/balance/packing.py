@@ -54,7 +54,8 @@ Then it pays only if the node-seconds saved over the steps left, against ``rebal
 the restart overhead (checkpoint, step exit, shrink, relaunch, restore), paid while holding the
 current nodes:
 
-    steps_left * (nodes_now * step_rebalanced - nodes_new * step_new) > restart_overhead_s * nodes_now
+    steps_left * (nodes_now * step_rebalanced - nodes_new * step_new)
+        > restart_overhead_s * nodes_now
 
 When the plan does not pack, the caller's rebalancing rule decides at the same report; when it
 packs, the pack replaces the rebalance (the layers move through the pack's checkpoint): one
@@ -130,7 +131,9 @@ def layer_memory_at(
     flight on its worst stage: fixed bytes plus ``in_flight`` microbatches of activations."""
     if activation_bytes is None:
         return [float(b) for b in fixed_bytes]
-    return [float(f) + in_flight * float(a) for f, a in zip(fixed_bytes, activation_bytes)]
+    return [
+        float(f) + in_flight * float(a) for f, a in zip(fixed_bytes, activation_bytes, strict=True)
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +190,7 @@ class PackPlan:
             "to_stages": self.chosen.num_stages,
             "from_nodes": self.current.num_nodes,
             "to_nodes": self.chosen.num_nodes,
+            "from_parts": self.current.parts,
             "parts": self.chosen.parts,
             "predicted_tokens_per_s_before": self.current.tokens_per_s,
             "predicted_tokens_per_s_rebalanced": self.rebalanced.tokens_per_s,
@@ -227,7 +231,7 @@ class PackRequest:
     activation_bytes: CostsLike | None = None
     """Per layer: activation bytes per microbatch in flight (with ``memory_bytes``)."""
     schedule: str = "1f1b"
-    """``pipeline.schedule``: how many microbatches a stage holds (:func:`microbatches_in_flight`)."""
+    """``pipeline.schedule``: microbatches a stage holds (:func:`microbatches_in_flight`)."""
     capacity_bytes: float | None = None
     """Per stage: bytes it may hold."""
     comm_s: float = 0.0
