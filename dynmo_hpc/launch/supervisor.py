@@ -114,7 +114,7 @@ def supervise(
     """
     failures: list[StepFailure] = []
     restarts, restart_fresh = 0, restart
-    unpacked: JobConfig | None = None  # the job before the last pack, while it runs packed
+    unpacked: _Unpacked | None = None  # the job before the last pack, while it runs packed
     _clear_stale(cfg.run_dir)
     for attempt in range(MAX_STEPS):
         config_path = prepare_run_dir(cfg)
@@ -137,11 +137,13 @@ def supervise(
         repeated = failure.same_as(failures[-1] if failures else None)
         failures.append(failure)
         record = {**failure.to_event(), "attempt": attempt, "unix_s": time.time()}
-        if unpacked is not None and (oom := take_out_of_memory(cfg.run_dir)) is not None:
-            cfg, why = _fall_back(cfg, unpacked, oom, can_run, record)
+        oom = take_out_of_memory(cfg.run_dir)
+        if unpacked is not None and oom is not None:
+            cfg, why = _fall_back(cfg, unpacked.cfg, oom, can_run, record)
             if why:
                 return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
-            resume_from, restart_fresh, unpacked = _fallback_checkpoint(cfg), False, None
+            resume_from = newest_checkpoint(cfg.run_dir) or unpacked.checkpoint
+            restart_fresh, unpacked = False, None
             continue
         why = _why_not_restart(cfg.fault.max_restarts, restarts, repeated, bool(statuses))
         if why:
@@ -185,11 +187,20 @@ def _why_not_restart(
     return ""
 
 
-def _unpacked(cfg: JobConfig, request: dict[str, Any]) -> JobConfig:
+@dataclass(frozen=True)
+class _Unpacked:
+    """The job as it ran before a pack, and the pack's checkpoint (a fallback's start)."""
+
+    cfg: JobConfig
+    checkpoint: Path
+
+
+def _unpacked(cfg: JobConfig, request: dict[str, Any]) -> _Unpacked:
     """The job as it ran before a pack: its stage count, on the partition it had then."""
     from_parts = request.get("from_parts")
     parts = [int(b) for b in from_parts] if from_parts else cfg.pipeline.partition
-    return resized_config(cfg, cfg.pipeline.num_stages, parts) if parts else cfg
+    before = resized_config(cfg, cfg.pipeline.num_stages, parts) if parts else cfg
+    return _Unpacked(before, Path(request["checkpoint"]))
 
 
 def _fall_back(
@@ -229,11 +240,6 @@ def _fall_back(
         {**record, "restarted": True, "fallback_stages": before, "out_of_memory": oom},
     )
     return fallback, ""
-
-
-def _fallback_checkpoint(cfg: JobConfig) -> Path | None:
-    """Where a fallback resumes: the newest complete checkpoint (the pack's at least)."""
-    return newest_checkpoint(cfg.run_dir)
 
 
 def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:
