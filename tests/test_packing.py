@@ -168,17 +168,15 @@ def _walk(costs, num_stages, *, carry, **kw):
     """Repeated decisions on constant costs, each enacted: the stage counts visited."""
     n = len(costs)
     parts = [round(i * n / num_stages) for i in range(num_stages + 1)]
-    reference, visited = None, [num_stages]
+    visited = [num_stages]
     for _ in range(10):
         plan = _plan(
             costs=costs,
             parts=parts,
             steps_left=1000,
             original_stages=num_stages if carry else None,
-            reference_tokens_per_s=reference if carry else None,
             **kw,
         )
-        reference = plan.reference_tokens_per_s
         if not plan.pack:
             return visited, plan
         parts = plan.chosen.parts
@@ -197,6 +195,12 @@ def test_repeated_decisions_do_not_ratchet():
     assert visited == [8, 7]
     assert last.reference_tokens_per_s == pytest.approx(1000 / 11.25)
     assert 1000 / last.current.step_time_s >= 0.9 * 1000 / 11.25
+
+
+def test_a_reference_floor_raises_the_bar():
+    # HEAVY: 3 stages (133.3 tokens/s) pass 0.9 x 121.2 but not 0.9 x 150
+    assert _plan(reference_tokens_per_s=121.0).pack
+    assert not _plan(reference_tokens_per_s=150.0).pack
 
 
 def test_the_measured_pack_result_corrects_smaller_candidates():

@@ -21,11 +21,13 @@ What a pack is compared with (so that it is credited only with what packing does
 - ``rebalanced``: the best partition at the current stage count (``balance.optimal``). A
   rebalance could reach it without a restart, so a pack's gain and its saving are measured
   from it, never from the partition in force.
-- ``reference_tokens_per_s``: the bound's reference, the highest of the best predicted tokens/s
-  at the job's original stage count now (``original_stages``, with the current costs), the
-  reference carried from earlier decisions (``PackRequest.reference_tokens_per_s``) and
-  ``rebalanced``. It never falls with the stage count, so repeated decisions on constant costs
-  cannot walk down one stage at a time: the bound is always against the original size.
+- ``reference_tokens_per_s``: the bound's reference, the higher of the best predicted tokens/s
+  at the job's original stage count (``original_stages``) on the current costs and
+  ``rebalanced``'s (and a floor the caller may give, ``PackRequest.reference_tokens_per_s``).
+  It does not fall with the stage count, so repeated decisions on constant costs cannot walk
+  down one stage at a time: the bound is always against the original size. It is predicted
+  under the same calibration as the candidates, so a noisy measurement scales both alike and
+  the comparison is the model's alone.
 - ``correction``: measured / predicted tokens/s after the previous pack (``pack_result``),
   capped at 1. The calibration absorbs the model's error at the current size; the correction
   is its error across a change of size, so it divides every smaller candidate's predicted
@@ -173,7 +175,7 @@ class PackPlan:
     correction: float
     """Measured / predicted tokens/s of the previous pack (capped at 1; 1.0 when none)."""
     reference_tokens_per_s: float
-    """The slowdown bound's reference (see the module docstring); carry it to the next call."""
+    """The slowdown bound's reference (see the module docstring)."""
     saving_node_s: float
     """Node-seconds ``chosen`` saves over the steps left against ``rebalanced`` (0 when it is
     ``current``)."""
@@ -243,7 +245,7 @@ class PackRequest:
     original_stages: int | None = None
     """The job's stage count before any pack (None: the current one)."""
     reference_tokens_per_s: float | None = None
-    """The reference an earlier decision returned (:attr:`PackPlan.reference_tokens_per_s`)."""
+    """A floor for the reference (None: the original size's prediction alone)."""
     correction: float = 1.0
     """Measured / predicted tokens/s of the previous pack (``pack_result``); capped at 1."""
 
@@ -353,8 +355,8 @@ def _smaller_candidates(
 
 
 def _reference_tokens_per_s(model: _StepModel, rebalanced: PackCandidate) -> float:
-    """The bound's reference: the best of the original size now, the carried reference and
-    the rebalanced current size (see the module docstring)."""
+    """The bound's reference: the best of the original size now, the caller's floor and the
+    rebalanced current size (see the module docstring)."""
     r = model.request
     original = r.original_stages or rebalanced.num_stages
     at_original = rebalanced.tokens_per_s

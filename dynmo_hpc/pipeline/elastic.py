@@ -134,20 +134,23 @@ def restart_overhead_s(
 @dataclass
 class PackHistory:
     """What one packing decision hands the next, across resizes and restarts (saved in the
-    checkpoint's run state as ``pack``): without it every launch would judge against its own
-    size and the job could ratchet down one stage at a time."""
+    checkpoint's run state as ``pack``): without the original size every launch would judge
+    against its own and the job could ratchet down one stage at a time.
+
+    The reference itself is not carried as a number: a maximum over calibrated predictions
+    rises with every lucky (quiet-machine) measurement and would block packs for good. It is
+    recomputed at each decision as the best partition at ``original_stages`` on the current
+    smoothed costs, under the same calibration as the candidates, so their ratio is the
+    model's alone (:mod:`dynmo_hpc.balance.packing`)."""
 
     original_stages: int
     """The job's stage count before any pack."""
-    reference_tokens_per_s: float | None = None
-    """The slowdown bound's reference (``PackPlan.reference_tokens_per_s``)."""
     correction: float = 1.0
     """Measured / predicted tokens/s of the last pack (``pack_result``), capped at 1."""
 
     def to_state(self) -> dict[str, Any]:
         return {
             "original_stages": self.original_stages,
-            "reference_tokens_per_s": self.reference_tokens_per_s,
             "correction": self.correction,
         }
 
@@ -157,11 +160,9 @@ class PackHistory:
         (a new run, or a checkpoint written before the entry existed)."""
         if not isinstance(state, dict):
             return cls(num_stages)
-        ref = state.get("reference_tokens_per_s")
         correction = state.get("correction")
         return cls(
             int(state.get("original_stages") or num_stages),
-            float(ref) if isinstance(ref, int | float) and math.isfinite(ref) else None,
             float(correction)
             if isinstance(correction, int | float) and 0 < correction <= 1
             else 1.0,
@@ -208,7 +209,6 @@ def decide_pack(
         num_cpu_slots=shape.num_cpu_slots,
         measured_step_s=measured_step_s,
         original_stages=history.original_stages,
-        reference_tokens_per_s=history.reference_tokens_per_s,
         correction=history.correction,
     )
     return plan_pack(list(costs_s), list(parts), request)
@@ -268,7 +268,7 @@ class PackController:
             last_resize_s=self.last_resize_s,
             state_bytes=float(sum(report.layer_bytes)),
         )
-        plan = decide_pack(
+        return decide_pack(
             self.cfg,
             report,
             costs_s,
@@ -281,8 +281,6 @@ class PackController:
             measured_step_s=measured_step_s,
             history=self.history,
         )
-        self.history.reference_tokens_per_s = plan.reference_tokens_per_s
-        return plan
 
 
 def resize_event(
