@@ -201,3 +201,52 @@ def test_out_of_memory_is_recognised_by_name():
 
     assert is_out_of_memory(MemoryError()) and is_out_of_memory(OutOfMemoryError("cuda"))
     assert not is_out_of_memory(RuntimeError("out of memory?"))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_job_packs_on_its_own_measurements(tmp_path):
+    """No forced decision: the ``throughput`` policy, the measured restart overhead
+    (``restart_overhead_s`` null), no ``min_stages`` floor. One block is so wide that it sets
+    the pace on any stage count, so fewer stages are at least as fast as the best 4-stage
+    partition (a smaller fill-and-drain bubble) and the steps left repay the restart. The pack
+    is one decision with the rebalance at its report, it is logged against the rebalanced
+    partition and the original size, and the pack history reaches the checkpoint."""
+    cfg = tiny_config(
+        tmp_path,
+        "job.name=own_pack",
+        "pipeline.num_stages=4",
+        "model.layer_d_ff=[64,64,64,65536]",
+        "balance.algorithm=optimal",
+        "train.steps=150",
+        "train.log_interval=50",
+        "checkpoint.at_end=true",
+        "elastic.enabled=true",
+        "elastic.policy=throughput",
+    )
+    assert cfg.elastic.restart_overhead_s is None and cfg.elastic.min_stages == 1
+    rc, _ = launch_local(cfg, timeout_s=900)
+    assert rc == 0
+    run = load(cfg.run_dir / "run.h5")
+    events = run.events
+    packs = [
+        (step, d)
+        for step, kind, d in zip(events["step"], events["kind"], events["detail"], strict=True)
+        if kind == "pack" and d["pack"]
+    ]
+    assert packs, "the job never packed"
+    step, pack = packs[0]
+    assert pack["policy"] == "throughput" and pack["from_stages"] == 4 and pack["to_stages"] < 4
+    assert pack["overhead_node_s"] > 0  # measured, not assumed free
+    assert pack["saving_node_s"] > pack["overhead_node_s"]
+    assert pack["predicted_tokens_per_s_rebalanced"] >= pack["predicted_tokens_per_s_before"]
+    assert pack["reference_tokens_per_s"] >= pack["predicted_tokens_per_s_rebalanced"]
+    assert pack["predicted_tokens_per_s_after"] >= 0.9 * pack["reference_tokens_per_s"]
+    same_report = events[(events["step"] == step) & (events["kind"] == "rebalance")]
+    assert same_report.empty, "a rebalance was logged at the pack's report"
+    assert any(k == "pack_result" for k in events["kind"])
+    ranks = run.steps["num_ranks"].tolist()
+    assert ranks[0] == 4 and ranks[-1] == pack["to_stages"]
+    final = checkpoint.read_run_state(cfg.run_dir / "checkpoint" / "step_150")
+    assert final["pack"]["original_stages"] == 4
+    assert 0 < final["pack"]["correction"] <= 1
