@@ -392,7 +392,9 @@ def _within_bound(
     )
 
 
-def _by_throughput(rebalanced: PackCandidate, good: list[PackCandidate], ms: float) -> _Choice:
+def _by_throughput(
+    rebalanced: PackCandidate, good: list[PackCandidate], ms: float, reference: float
+) -> _Choice:
     """The fewest nodes among ``good`` (all within the bound); the fastest of those."""
     fewest = min(c.num_nodes for c in good)
     chosen = max(
@@ -402,7 +404,8 @@ def _by_throughput(rebalanced: PackCandidate, good: list[PackCandidate], ms: flo
         chosen,
         f"pack {rebalanced.num_stages} -> {chosen.num_stages} stages ({rebalanced.num_nodes} "
         f"-> {chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
-        f"(1 - {ms:g}) x reference (rebalanced now: {rebalanced.tokens_per_s:.4g})",
+        f"(1 - {ms:g}) x reference {reference:.4g} (rebalanced now: "
+        f"{rebalanced.tokens_per_s:.4g})",
     )
 
 
@@ -441,7 +444,7 @@ def _choose(
     if not good:
         return _Choice(rebalanced, why)
     if request.pack_policy == "throughput":
-        return _by_throughput(rebalanced, good, request.max_slowdown)
+        return _by_throughput(rebalanced, good, request.max_slowdown, reference)
     return _by_node_hours(rebalanced, good)
 
 
