@@ -343,3 +343,75 @@ def test_a_pack_is_never_worse_than_rebalancing_by_more_than_the_bound(
     assert saving > overhead_s * nodes_now * (1 - 1e-9)  # pays against the rebalanced size
     if policy == "node_hours":
         assert nodes_now * best_now_s > nodes_for(k, rpn) * step_s * (1 - 1e-9)
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(st.floats(0.0, 10.0), min_size=2, max_size=9),
+    data=st.data(),
+    max_slowdown=st.sampled_from([0.0, 0.05, 0.1, 0.3]),
+    rpn=st.sampled_from([1, 1, 2]),
+    num_microbatches=st.integers(1, 16),
+    steps_left=st.sampled_from([1, 10, 1000]),
+    overhead_s=st.floats(0.0, 20.0),
+)
+def test_the_throughput_decision_is_exactly_the_brute_force_one(
+    costs, data, max_slowdown, rpn, num_microbatches, steps_left, overhead_s
+):
+    """Without a memory limit the whole ``throughput`` decision is recomputed by brute force:
+    the fewest nodes within the bound of the best current-size partition, the fastest of those,
+    enacted exactly when it repays the restart against that partition. Packs and keeps are both
+    asserted, so the test cannot pass by never packing."""
+    n = len(costs)
+    num_stages = data.draw(st.integers(1, n))
+    cuts = (
+        data.draw(
+            st.lists(
+                st.integers(1, n - 1), unique=True, min_size=num_stages - 1, max_size=num_stages - 1
+            )
+        )
+        if num_stages > 1
+        else []
+    )
+    parts = [0, *sorted(cuts), n]
+    plan = _plan(
+        costs=costs,
+        parts=parts,
+        num_microbatches=num_microbatches,
+        ranks_per_node=rpn,
+        steps_left=steps_left,
+        restart_overhead_s=overhead_s,
+        max_slowdown=max_slowdown,
+    )
+    best_now_s = _best_step_s(costs, num_stages, num_microbatches, 0.0)
+    nodes_now = nodes_for(num_stages, rpn)
+    steps = {
+        k: _best_step_s(costs, k, num_microbatches, 0.0)
+        for k in range(1, num_stages)
+        if nodes_for(k, rpn) < nodes_now
+    }
+    # a zero-cost model makes every speed infinite: nothing to compare
+    if best_now_s == 0 or any(s == 0 for s in steps.values()):
+        return
+    bound = {k: s * (1 - max_slowdown) for k, s in steps.items()}
+    if any(_near(b, best_now_s) for b in bound.values()):
+        return  # a tie on the bound: either answer is right
+    good = [k for k, b in bound.items() if b <= best_now_s]
+    if not good:
+        assert not plan.pack, plan.reason
+        return
+    fewest = min(nodes_for(k, rpn) for k in good)
+    same = [k for k in good if nodes_for(k, rpn) == fewest]
+    fastest = min(steps[k] for k in same)
+    saving = steps_left * (nodes_now * best_now_s - fewest * fastest)
+    if _near(saving, overhead_s * nodes_now):
+        return
+    assert plan.pack == (saving > overhead_s * nodes_now), plan.reason
+    if plan.pack:
+        assert nodes_for(plan.chosen.num_stages, rpn) == fewest
+        chosen_s = predict_step_time_s(costs, plan.chosen.parts, num_microbatches)
+        assert _near(chosen_s, fastest)
