@@ -27,6 +27,7 @@ from tests.test_resume import assert_bitwise_equal
 PACKING = [
     "elastic.enabled=true",
     "elastic.policy=node_hours",  # packing always pays per node-hour on a tiny model
+    "elastic.max_slowdown=0.9",  # node_hours is bounded too: this test is about the resize
     "elastic.min_stages=2",
     "elastic.interval=1",
     "elastic.restart_overhead_s=0",
