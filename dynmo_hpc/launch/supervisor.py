@@ -216,9 +216,9 @@ def _fall_back(
     what = f"the packed step ({packed} stages) ran out of memory on rank {oom.get('rank')}"
     if can_run is None or not can_run(unpacked):
         why = (
-            f"error: {what}, and the nodes of the {before} stages before the pack were "
-            f"released, so it cannot fall back. HINT: resume from the newest checkpoint on "
-            f"{before} stages with elastic.min_stages={packed + 1} (or more memory per node)"
+            f"{what}, and the nodes of the {before} stages before the pack were released, so "
+            f"it cannot fall back: resume from the newest checkpoint on {before} stages with "
+            f"elastic.min_stages={packed + 1} (or give each node more memory)"
         )
         log.error("%s", why)
         add_pending_failure(cfg.run_dir, {**record, "restarted": False, "out_of_memory": oom})
