@@ -156,6 +156,7 @@ class Trainer:
             self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
         self.result = _restored_history(state)
         self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
+        self.packer.restore(state.get("pack") if state else None)
         self.reporter = self._build_reporter(parts, state)
         self.last_checkpoint_monotonic = time.monotonic()
         self.lineage_parent = self._lineage_key(resume_from)
@@ -538,6 +539,7 @@ class Trainer:
                 if math.isfinite(report.bandwidth_bytes_per_s)
                 else None,
             },
+            "pack": self.packer.run_state(),
             "history": {
                 "losses": self.result.losses,
                 "tokens_per_s": self.result.tokens_per_s,
