@@ -155,7 +155,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs"), *sets]
     assert main(argv) == 0
     text = (out / "results.md").read_text()
-    assert "| plain | static uniform (Megatron-LM) |" in text
+    assert "| plain | static uniform (equal layer counts) |" in text
     assert "| plain | DynMo optimal |" in text
     assert "optimal / uniform" in text
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
