@@ -166,7 +166,7 @@ def test_the_restart_search_reads_one_checkpoint_in_full_and_the_ranks_read_noth
     """Issue 26: the search read every kept checkpoint in full, then rank 0 read the chosen one
     again (2N+1). Now: cheap checks (manifest, sizes), one full read of the chosen one, and
     rank 0 reads only the small run state before the ranks load their layers."""
-    cfg = tiny_config(tmp_path, "job.name=reads")
+    cfg = tiny_config(tmp_path, "job.name=reads", "train.steps=8")
     root = checkpoint.checkpoint_root(cfg.run_dir)
     num_layers = cfg.model.num_layers
     state = {

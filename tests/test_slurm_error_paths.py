@@ -219,8 +219,10 @@ def test_a_first_run_on_the_nodes_it_needs_releases_nothing(tmp_path: Path) -> N
 def test_a_crash_during_the_pack_checkpoint_restarts_from_the_last_complete_one(
     tmp_path: Path,
 ) -> None:
-    """The step dies while writing checkpoint step_6 (no manifest): the manager's restart
-    resumes from step_4, the newest complete checkpoint, never from the partial one."""
+    """A requeued job continues from step_4 and dies while writing checkpoint step_6 (no
+    manifest): the manager's restart resumes from step_4 again, the newest complete checkpoint
+    of the run's lineage, never from the partial one. (A first run on copied checkpoints would
+    be a new branch: it never resumes from them.)"""
     source = tiny_config(
         tmp_path / "src", "job.name=src", "train.steps=5", "checkpoint.every_steps=2"
     )
@@ -232,11 +234,13 @@ def test_a_crash_during_the_pack_checkpoint_restarts_from_the_last_complete_one(
         "elastic.enabled=true",
         "fault.max_restarts=1",
         checkpoints=source.run_dir / "checkpoint",
+        restart_count=1,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = _srun_calls(calls)
-    assert "--resume" not in first
-    assert second[second.index("--resume") + 1] == str(run_dir / "checkpoint" / "step_4")
+    step_4 = str(run_dir / "checkpoint" / "step_4")
+    assert first[first.index("--resume") + 1] == step_4
+    assert second[second.index("--resume") + 1] == step_4
 
 
 @pytest.mark.parametrize(

@@ -31,13 +31,12 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.config.resume_rules import KeyRule
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases, write_request
 from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
-from dynmo_hpc.pipeline import checkpoint, resume
+from dynmo_hpc.pipeline import checkpoint, restart_events, resume
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.data import TextDataset
@@ -252,8 +251,8 @@ class Trainer:
         self.reporter.writer = self.writer
         log_failures(self.writer, self.run_dir)
         if resume_from is not None and state is not None:
-            self._log_skipped_checkpoints(resume_from)
-            self._log_config_changes(state)
+            restart_events.log_skipped_checkpoints(self.writer, resume_from, self.start_step)
+            restart_events.log_config_changes(self.writer, self.cfg, state, self.start_step)
         launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             self.packer.startup_s = time.time() - launched_unix_s
@@ -282,35 +281,6 @@ class Trainer:
             redo_from_step=self.start_step if restart is not None else None,
             restart_detail=restart,
         )
-
-    def _log_skipped_checkpoints(self, chosen: Path) -> None:
-        """Warn (log and run log) about newer checkpoints of the lineage that were damaged or
-        incomplete (:func:`~dynmo_hpc.pipeline.checkpoint.skipped_before`)."""
-        for candidate in checkpoint.skipped_before(chosen):
-            if candidate.problem is not None:
-                log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)
-                self.writer.log_event(
-                    step=self.start_step,
-                    kind="checkpoint_skipped",
-                    detail={"path": str(candidate.path), "problem": candidate.problem},
-                )
-
-    def _log_config_changes(self, state: dict[str, Any]) -> None:
-        """Log (and record as a ``config_change`` event) each change that alters the training
-        math or length since the checkpoint: the launcher refused those not allowed
-        (``--allow-change``), so every one logged here applies from this step on."""
-        verdict = resume.judge(self.cfg, state)
-        changes = [c for c in verdict.accepted + verdict.passed if c.rule is not KeyRule.FREE]
-        if not changes:
-            return
-        detail = {
-            "changes": [
-                {"key": c.key, "saved": c.saved, "new": c.new, "rule": c.rule.value}
-                for c in changes
-            ]
-        }
-        self.writer.log_event(step=self.start_step, kind="config_change", detail=detail)
-        log.warning("resumed with changed settings: %s", ", ".join(c.describe() for c in changes))
 
     def _log_resize(self, restore_s: float) -> None:
         """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
