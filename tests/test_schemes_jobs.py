@@ -9,6 +9,8 @@ bench run.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dynmo_hpc import config as config_mod
@@ -27,7 +29,7 @@ def _load(name: str) -> config_mod.JobConfig:
 def _blocks_per_stage(cfg: config_mod.JobConfig, blocks: list[int]) -> list[int]:
     """How many of ``blocks`` (global layer indices) each stage of the uniform split holds."""
     parts = uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
-    return [sum(lo <= b < hi for b in blocks) for lo, hi in zip(parts, parts[1:], strict=False)]
+    return [sum(lo <= b < hi for b in blocks) for lo, hi in itertools.pairwise(parts)]
 
 
 @pytest.mark.parametrize("name", SCHEME_JOBS)
