@@ -145,7 +145,7 @@ def bench_kernels(sparsities: list[float]) -> None:
     """Dense vs CSR vs COO vs structurally shrunk matmul, for both feed-forward shapes."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    num_tokens = 8 * 128  # micro_batch_size * seq_len of jobs/pruning.yaml
+    num_tokens = 8 * 128  # rows per matmul: 8 sequences of 128 bytes
     print(f"torch {torch.__version__}, 1 thread, x: ({num_tokens}, in), y = x @ W.T")
     print(
         f"{'W (out, in)':<12} {'sparsity':>8} {'dense':>9} {'CSR':>9} {'COO':>9} "
