@@ -1,0 +1,114 @@
+"""A/B within one run (``balance.ab_period_steps``): the arms, the switch, the run log columns.
+
+The pure parts (which arm a step is in, when the switch migrates, the wall/CPU ratio) are
+checked on hand-made inputs; then a real 2-rank run in A/B mode must train exactly what a static
+run trains (bitwise losses: migration is invisible to the math), run each block on its arm's
+partition, and log every step's arm and wall/CPU ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from dynmo_hpc.errors import ConfigError
+from dynmo_hpc.pipeline.ab import (
+    DYNMO_ARM,
+    NO_ARM,
+    STATIC_ARM,
+    ABSwitch,
+    ab_arm,
+    wall_s_per_cpu_s,
+)
+from dynmo_hpc.runlog import load
+from tests.helpers.jobs import run_job, tiny_config
+
+
+def test_arms_alternate_every_period_starting_with_the_static_split() -> None:
+    assert [ab_arm(s, 2) for s in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [ab_arm(s, 3) for s in range(7)] == [0, 0, 0, 1, 1, 1, 0]
+    assert ab_arm(5, 0) == NO_ARM
+    with pytest.raises(ValueError):
+        ab_arm(-1, 2)
+
+
+def test_switch_migrates_to_the_next_steps_arm_and_keeps_the_balancers_own_plan() -> None:
+    switch = ABSwitch(2, static_parts=[0, 3, 6], dynmo_parts=[0, 3, 6])
+    # report after step 1 (arm A); the balancer plans [0, 4, 6]; step 2 is arm B: go there
+    assert switch.after_decision(1, [0, 4, 6], [0, 3, 6]) == [0, 4, 6]
+    # report after step 3 (arm B), the balancer keeps its plan; step 4 is arm A: back
+    assert switch.after_decision(3, None, [0, 4, 6]) == [0, 3, 6]
+    assert switch.dynmo_parts == [0, 4, 6]
+    # a plan made during an A block is remembered but not enacted until the next B block
+    switch2 = ABSwitch(4, static_parts=[0, 3, 6], dynmo_parts=[0, 3, 6])
+    assert switch2.after_decision(1, [0, 5, 6], [0, 3, 6]) is None
+    assert switch2.after_decision(3, None, [0, 3, 6]) == [0, 5, 6]
+    # nothing to do when the arm's partition is already in force
+    assert switch.after_decision(5, None, [0, 4, 6]) is None
+
+
+def test_wall_cpu_ratio_is_the_worst_rank_and_nan_without_cpu_time() -> None:
+    assert wall_s_per_cpu_s([1.0, 3.0], [1.0, 2.0]) == 1.5
+    assert wall_s_per_cpu_s([2.0, 1.0], [1.0, 1.0]) == 2.0
+    assert math.isnan(wall_s_per_cpu_s([1.0], [0.0]))
+    with pytest.raises(ValueError):
+        wall_s_per_cpu_s([1.0], [1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["balance.algorithm=optimal", "balance.ab_period_steps=3"], "multiple of"),
+        (["balance.algorithm=static", "balance.ab_period_steps=2"], "rebalancing algorithm"),
+        (["balance.algorithm=uniform", "balance.ab_period_steps=2"], "rebalancing algorithm"),
+        (
+            ["balance.algorithm=optimal", "balance.ab_period_steps=2", "elastic.enabled=true"],
+            "elastic.enabled=false",
+        ),
+        (["train.steady_state_step=4"], "steady_state_step=4 is not a step"),
+    ],
+)
+def test_bad_ab_settings_are_refused_with_a_hint(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, *overrides)
+
+
+IMBALANCED = ["model.layer_d_ff=[16, 16, 16, 2048]", "train.steps=8", "balance.interval=2"]
+"""The last block 128x wider than the others: the balancer's plan leaves uniform's split."""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_ab_run_trains_what_a_static_run_trains_and_logs_its_arms(tmp_path: Path) -> None:
+    static_cfg = tiny_config(tmp_path, *IMBALANCED, "job.name=static")
+    ab_cfg = tiny_config(
+        tmp_path,
+        *IMBALANCED,
+        "job.name=ab",
+        "balance.algorithm=optimal",
+        "balance.margin=0",
+        "balance.ab_period_steps=2",
+    )
+    static = run_job(static_cfg)
+    ab = run_job(ab_cfg)
+    assert ab["losses"] == static["losses"]  # bitwise: the partition never changes the math
+
+    run = load(ab_cfg.run_dir / "run.h5")
+    steps = run.steps.sort_values("step")
+    assert steps["ab_arm"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert all(math.isfinite(k) and k > 0 for k in steps["wall_s_per_cpu_s"])
+    static_parts = [0, 3, 6]
+    # the partition logged at each report is the one its block ran on
+    assert run.parts_at(1) == static_parts and run.parts_at(5) == static_parts
+    assert run.parts_at(3) != static_parts and run.parts_at(7) != static_parts
+    migrations = run.events[run.events["kind"] == "migrate"]
+    assert migrations["step"].tolist() == [1, 3, 5]  # into B, back to A, into B
+    assert migrations["detail"].iloc[1]["new_parts"] == static_parts
+
+    plain = load(static_cfg.run_dir / "run.h5").steps
+    assert (plain["ab_arm"] == NO_ARM).all()
+    assert {STATIC_ARM, DYNMO_ARM} == set(steps["ab_arm"])
