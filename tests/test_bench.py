@@ -151,11 +151,12 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = tmp_path / "bench"
     sets = [s for item in TINY if not item.startswith(("train.steps", "balance.algorithm"))
             for s in ("--set", item)]  # fmt: skip
-    argv = ["bench", "--schemes", "plain", "--algorithms", "uniform,optimal", "--repeats", "1"]
+    argv = ["bench", "--whole", "--schemes", "plain", "--algorithms", "uniform,optimal"]
+    argv += ["--repeats", "1"]
     argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs"), *sets]
     assert main(argv) == 0
     text = (out / "results.md").read_text()
-    assert "| plain | static uniform (Megatron-LM) |" in text
+    assert "| plain | static uniform (Megatron-style) |" in text
     assert "| plain | DynMo optimal |" in text
     assert "optimal / uniform" in text
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -112,3 +112,58 @@ def test_ab_run_trains_what_a_static_run_trains_and_logs_its_arms(tmp_path: Path
     plain = load(static_cfg.run_dir / "run.h5").steps
     assert (plain["ab_arm"] == NO_ARM).all()
     assert {STATIC_ARM, DYNMO_ARM} == set(steps["ab_arm"])
+
+
+def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``dynmo-hpc bench --ab`` on the tiny imbalanced model: two A/B runs (uniform and the
+    parameter split, each against optimal), the table with its ramp and steady rows, the same
+    losses in both runs, the three files. Structure only: no speed is asserted."""
+    from dynmo_hpc.cli import main
+    from tests.helpers.jobs import ROOT, TINY
+
+    out = tmp_path / "bench"
+    skip = ("train.steps", "balance.algorithm", "balance.interval")
+    sets = [s for item in TINY if not item.startswith(skip) for s in ("--set", item)]
+    sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
+    argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "uniform,parameters,optimal"]
+    argv += ["--repeats", "1", "--steps", "12", "--ab-period", "4", "--out", str(out)]
+    argv += ["--jobs-dir", str(ROOT / "jobs"), *sets]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    text = (out / "results.md").read_text()
+    assert text in printed
+    header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
+    assert header in text
+    rows = [line for line in text.splitlines() if line.startswith("| plain |")]
+    # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
+    labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
+    assert labels == [
+        ("static uniform (Megatron-style)", "DynMo optimal", "ramp 0-5"),
+        ("static uniform (Megatron-style)", "DynMo optimal", "steady 6-11"),
+        ("static by parameters (DeepSpeed)", "DynMo optimal", "ramp 0-5"),
+        ("static by parameters (DeepSpeed)", "DynMo optimal", "steady 6-11"),
+    ]
+    for row in rows[:4]:
+        ceiling = row.split("|")[8].strip()
+        assert ceiling == "-" or float(ceiling) >= 1.0
+    assert rows[4].endswith("| 0 |")  # the two runs trained the same model, bit for bit
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import h5py
+
+    with h5py.File(out / "results.h5", "r") as f:
+        run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
+        assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+        assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
+
+
+def test_bench_ab_refuses_algorithms_without_a_static_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dynmo_hpc.cli import main
+    from tests.helpers.jobs import ROOT
+
+    argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "optimal,diffusion"]
+    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lacks a static baseline" in err and "HINT" in err

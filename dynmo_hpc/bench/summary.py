@@ -19,6 +19,19 @@ from dynmo_hpc.bench.measure import RunFigures
 from dynmo_hpc.errors import DynmoError
 
 
+def algorithm_label(algorithm: str) -> str:
+    """An algorithm's name in the tables: its registry label, except that ``uniform`` reads
+    "static uniform (Megatron-style)" unless the registry has a ``megatron`` entry of its own
+    (then each keeps its own label)."""
+    if algorithm == "uniform" and "megatron" not in ALGORITHMS:
+        return "static uniform (Megatron-style)"
+    return ALGORITHMS[algorithm].label
+
+
+class BenchError(DynmoError):
+    """A bench run failed; the message names the run and its directory."""
+
+
 class LossMismatchError(DynmoError):
     """Two algorithms trained different models: a bench comparing them would compare nothing."""
 
@@ -154,7 +167,7 @@ def render_markdown(
     for scheme, by_algorithm in rows.items():
         for algorithm, row in by_algorithm.items():
             lines.append(
-                f"| {scheme} | {ALGORITHMS[algorithm].label} | {_fmt(row.tokens_per_s)} | "
+                f"| {scheme} | {algorithm_label(algorithm)} | {_fmt(row.tokens_per_s)} | "
                 f"{_fmt(row.train_s, 1)} | {_fmt(row.wall_s, 1)} | {_fmt(row.efficiency, 2)} | "
                 f"{_fmt(row.num_moves)} | {_fmt(row.migration_s, 3)} |"
             )

@@ -24,17 +24,20 @@ from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
+from dynmo_hpc.bench.ab import NOISE_FACTOR
 from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
 from dynmo_hpc.bench.summary import (
     AlgorithmRow,
+    BenchError,
     check_same_losses,
     max_loss_difference,
     render_markdown,
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.cli.bench_ab import ab_order, run_ab
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -57,10 +60,6 @@ BENCH_SETS = [
 ]
 """What every bench run sets: no checkpoints, no packing, quiet logs (the bench measures
 training and balancing, not I/O)."""
-
-
-class BenchError(DynmoError):
-    """A bench run failed; the message names the run and its directory."""
 
 
 def _names(choices: list[str]) -> Any:
@@ -109,6 +108,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=float,
         default=1e-6,
         help="largest relative loss difference between algorithms that counts as equal",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--ab",
+        dest="mode",
+        action="store_const",
+        const="ab",
+        help="A/B within one run (the default): each job alternates the static split and the "
+        "balancer's plan every --ab-period steps",
+    )
+    mode.add_argument(
+        "--whole",
+        dest="mode",
+        action="store_const",
+        const="whole",
+        help="interleaved whole runs, one per algorithm and repeat (use --repeats 5 or more)",
+    )
+    p.set_defaults(mode="ab")
+    p.add_argument(
+        "--ab-period",
+        type=int,
+        default=None,
+        help="steps per A/B block, a multiple of the job's balance.interval (default: twice it)",
+    )
+    p.add_argument(
+        "--noise-factor",
+        type=float,
+        default=NOISE_FACTOR,
+        help="--ab: set aside steps whose wall/CPU ratio exceeds this many times the run's "
+        f"median (default {NOISE_FACTOR})",
     )
     add_overrides_argument(p, "model.num_blocks=16")
     p.set_defaults(func=run)
@@ -178,10 +207,14 @@ def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this bench (for the results' header)."""
-    words = ["dynmo-hpc", "bench", "--schemes", ",".join(args.schemes)]
+    words = ["dynmo-hpc", "bench", f"--{args.mode}", "--schemes", ",".join(args.schemes)]
     words += ["--algorithms", ",".join(args.algorithms), "--repeats", str(args.repeats)]
     if args.steps is not None:
         words += ["--steps", str(args.steps)]
+    if args.mode == "ab" and args.ab_period is not None:
+        words += ["--ab-period", str(args.ab_period)]
+    if args.mode == "ab" and args.noise_factor != NOISE_FACTOR:
+        words += ["--noise-factor", str(args.noise_factor)]
     words += ["--out", str(args.out)]
     for item in args.overrides:
         words += ["--set", item]
@@ -235,8 +268,18 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise BenchError(f"--steps={args.steps} must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.noise_factor < 1.0:
+        raise BenchError(f"--noise-factor={args.noise_factor} must be >= 1")
     base = {scheme: _config(args, scheme, []) for scheme in args.schemes}
     params = {scheme: layer_params(cfg) for scheme, cfg in base.items()}
+    if args.mode == "ab":
+        try:
+            ab_order(args.schemes, args.algorithms, args.repeats)
+        except ValueError as exc:
+            raise BenchError(f"{exc}; HINT: include uniform and optimal, or use --whole") from None
+        return run_ab(
+            args, base, params, _command(args), lambda scheme, sets: _config(args, scheme, sets)
+        )
     order = run_order(args.schemes, args.algorithms, args.repeats)
     log.info(
         "bench: %d runs (%d schemes x %d algorithms x %d repeats) into %s",
