@@ -24,8 +24,9 @@ from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.bench.ab import NOISE_FACTOR
-from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
+from dynmo_hpc.balance.registry import lookup
+from dynmo_hpc.bench.ab import NOISE_FACTOR, phase_ceiling, run_ceilings
+from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order, static_split
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
 from dynmo_hpc.bench.summary import (
@@ -167,7 +168,9 @@ def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfi
     return load_config(job, [*sets, *args.overrides, *extra])
 
 
-def _train(planned: PlannedRun, cfg: JobConfig) -> RunFigures:
+def _train(planned: PlannedRun, cfg: JobConfig, splits: dict[str, list[int]]) -> RunFigures:
+    """Train one run; its figures, with the steady-state ceiling over each of ``splits``
+    (static baseline -> its split)."""
     from dynmo_hpc.launch.local import run_local
     from dynmo_hpc.runlog import load as load_runlog
 
@@ -188,7 +191,24 @@ def _train(planned: PlannedRun, cfg: JobConfig) -> RunFigures:
         num_stages=cfg.pipeline.num_stages,
         num_microbatches=cfg.train.num_microbatches,
         wall_s=wall_s,
+        steady_from_step=cfg.train.steady_from_step(),
+        steady_ceilings=_steady_ceilings(runlog.layer_costs, cfg, splits),
     )
+
+
+def _steady_ceilings(
+    layer_costs: Any, cfg: JobConfig, splits: dict[str, list[int]]
+) -> dict[str, float]:
+    """Per static baseline: the ceiling over its split on the steady state's load reports."""
+    out = {}
+    for name, parts in splits.items():
+        ceilings = run_ceilings(
+            layer_costs, parts, cfg.train.num_microbatches, cfg.pipeline.schedule
+        )
+        value = phase_ceiling(ceilings, cfg.train.steady_from_step(), cfg.train.steps)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
@@ -298,7 +318,12 @@ def run(args: argparse.Namespace) -> int:
             planned.algorithm, cfg0.pipeline.num_stages, params[planned.scheme]
         )
         cfg = _config(args, planned.scheme, [*sets, f"job.name={planned.name}"])
-        figures = _train(planned, cfg)
+        splits = {
+            name: static_split(name, cfg0.pipeline.num_stages, params[planned.scheme])
+            for name in args.algorithms
+            if not lookup(name).rebalances
+        }
+        figures = _train(planned, cfg, splits)
         done.append((planned, figures))
         elapsed_s = time.perf_counter() - t_start
         eta_s = elapsed_s / (k + 1) * (len(order) - k - 1)
