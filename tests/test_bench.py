@@ -159,6 +159,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "| plain | static uniform (Megatron-style) |" in text
     assert "| plain | DynMo optimal |" in text
     assert "optimal / uniform" in text
+    assert "| scheme | balancer | static split | ramp speedup | steady speedup | ceiling |" in text
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with h5py.File(out / "results.h5", "r") as f:
         policies = [p.decode() for p in f["runs/policy"][()]]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from dynmo_hpc.bench.ab import compare_arms, mark_steps
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.pipeline.ab import (
     DYNMO_ARM,
@@ -167,3 +169,48 @@ def test_bench_ab_refuses_algorithms_without_a_static_split(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "lacks a static baseline" in err and "HINT" in err
+
+
+def _steps(step_time_s: list[float], ratios: list[float], period: int) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "step": range(len(step_time_s)),
+            "step_time_s": step_time_s,
+            "wall_s_per_cpu_s": ratios,
+            "ab_arm": [ab_arm(s, period) for s in range(len(step_time_s))],
+        }
+    )
+
+
+def test_noise_rule_and_migrations_set_steps_aside() -> None:
+    # period 4; migrations after steps 3 and 7 (the switches); step 9 ran on a shared core
+    times = [1.0, 1.0, 1.0, 5.0, 3.0, 0.8, 0.8, 4.0, 1.0, 9.0, 1.0, 1.0]
+    ratios = [1.0] * 12
+    ratios[9] = 1.25  # above 1.2 x the median 1.0
+    marked = mark_steps(_steps(times, ratios, 4), [3, 7])
+    assert marked["migration"].tolist() == [
+        False, False, False, True, True, False, False, True, True, False, False, False,
+    ]  # fmt: skip
+    assert marked["noisy"].tolist() == [s == 9 for s in range(12)]
+    assert marked["kept"].sum() == 7
+    comparison = compare_arms([marked], 4, 0, 12)
+    assert comparison is not None
+    assert comparison.kept == (5, 2) and comparison.total == (8, 4)
+    assert comparison.static_step_s == 1.0 and comparison.dynmo_step_s == 0.8
+    assert comparison.gain == pytest.approx(1.25)
+    # pair 0 (steps 0-7) has both arms; pair 1 (steps 8-11) has no balancer step
+    assert comparison.block_gains == [pytest.approx(1.25)]
+    # the phase bounds cut the steps: the steady state 8-11 has no balancer step at all
+    assert compare_arms([marked], 4, 8, 12) is None
+    # a looser rule keeps step 9, and a pooled repeat adds its pair
+    loose = mark_steps(_steps(times, ratios, 4), [3, 7], noise_factor=1.3)
+    assert loose["kept"].sum() == 8
+    pooled = compare_arms([marked, marked], 4, 0, 12)
+    assert pooled is not None and pooled.kept == (10, 4) and len(pooled.block_gains) == 2
+    with pytest.raises(ValueError):
+        mark_steps(_steps(times, ratios, 4), [], noise_factor=0.5)
+
+
+def test_steps_without_a_ratio_are_never_noisy() -> None:
+    marked = mark_steps(_steps([1.0, 1.0], [float("nan"), float("nan")], 1), [])
+    assert marked["kept"].tolist() == [True, True]
