@@ -1,15 +1,20 @@
-"""``dynmo-hpc bench``: train each scheme under the two static splits and DynMo's two balancers.
+"""``dynmo-hpc bench``: each scheme under the static splits and DynMo's balancers.
 
 Why a subcommand: "is DynMo faster than what I run now?" deserves one command that answers it on
 the user's own machine, with the spread that says how far to trust the answer. For the plain model
-and each scheme job it trains the same job four times per repeat (static uniform as Megatron-LM
-does, static by parameters as DeepSpeed does, DynMo ``optimal``, DynMo ``diffusion``), interleaved
-(:func:`~dynmo_hpc.bench.algorithms.run_order`), checks that all four trained the same model (equal
-losses), and writes ``results.md``, ``results.h5`` and ``results.png`` to ``--out``.
+and each scheme job it compares the registry's static baselines (uniform, by parameters) with
+DynMo's balancers (optimal, diffusion). ``--ab`` (the default) runs one job per static split and
+balancer whose partition alternates between the two every few steps, so both arms share the same
+minutes of the machine (:mod:`dynmo_hpc.cli.bench_ab`); ``--whole`` trains the same job once per
+algorithm and repeat, interleaved (:func:`~dynmo_hpc.bench.algorithms.run_order`). Either way it
+checks that all runs trained the same model (equal losses), reports the ramp and the steady state
+apart with the pipeline-aware ceiling and DynMo's capture of it, and writes ``results.md``,
+``results.h5`` and ``results.png`` to ``--out``.
 
 Example::
 
-    $ dynmo-hpc bench --schemes plain moe --steps 20 --repeats 3 --out runs/bench
+    $ dynmo-hpc bench --ab --schemes plain,pruning --repeats 1 --out runs/bench_ab
+    $ dynmo-hpc bench --whole --schemes plain,moe --steps 20 --repeats 5 --out runs/bench
 """
 
 from __future__ import annotations
