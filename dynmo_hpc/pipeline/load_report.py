@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline.ab import ABSwitch
@@ -94,7 +95,11 @@ class LoadReporter:
         self.ab: ABSwitch | None = None
         """Rank 0 of an A/B run (``balance.ab_period_steps``): which partition each block runs."""
         if cfg.balance.ab_period_steps:
-            self.ab = ABSwitch(cfg.balance.ab_period_steps, list(state.parts), list(state.parts))
+            # arm A is the job's own split even after a resume into a B block
+            static = cfg.pipeline.partition or uniform(
+                [1.0] * cfg.model.num_layers, cfg.pipeline.num_stages
+            )
+            self.ab = ABSwitch(cfg.balance.ab_period_steps, list(static), list(state.parts))
 
     @property
     def parts(self) -> list[int]:
