@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from dynmo_hpc.bench.ab import compare_arms, mark_steps
+from dynmo_hpc.bench.summary import algorithm_label
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.pipeline.ab import (
     DYNMO_ARM,
@@ -139,11 +140,14 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     rows = [line for line in text.splitlines() if line.startswith("| plain |")]
     # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
     labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
+    uniform, parameters, optimal = (
+        algorithm_label(a) for a in ("uniform", "parameters", "optimal")
+    )
     assert labels == [
-        ("static uniform (Megatron-style)", "DynMo optimal", "ramp 0-5"),
-        ("static uniform (Megatron-style)", "DynMo optimal", "steady 6-11"),
-        ("static by parameters (DeepSpeed)", "DynMo optimal", "ramp 0-5"),
-        ("static by parameters (DeepSpeed)", "DynMo optimal", "steady 6-11"),
+        (uniform, optimal, "ramp 0-5"),
+        (uniform, optimal, "steady 6-11"),
+        (parameters, optimal, "ramp 0-5"),
+        (parameters, optimal, "steady 6-11"),
     ]
     for row in rows[:4]:
         ceiling = row.split("|")[8].strip()
