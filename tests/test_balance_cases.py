@@ -98,7 +98,9 @@ def test_bad_costs_are_rejected(costs: list[float], message: str) -> None:
 
 
 def test_unknown_algorithm_and_options_list_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid algorithms: uniform, parameters, optimal"):
+    with pytest.raises(
+        ValueError, match="valid algorithms: uniform, megatron, parameters, optimal"
+    ):
         partition([1, 2], 1, "greedy")
     with pytest.raises(
         ValueError, match=r"does not take option\(s\) capacity; valid options: none"

@@ -211,7 +211,8 @@ def test_prune_keeps_the_newest_complete_and_drops_stale_incomplete(tmp_path):
             checkpoint.commit(root, step, {checkpoint.RUN_STATE: entry}, keep=2)
     (root / "step_5").mkdir()  # a save in progress, newer than every complete one: kept
     checkpoint.prune(root, keep=2)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3", "step_4", "step_5"]
+    names = ["latest", "lineage.json", "step_3", "step_4", "step_5"]  # lineage.json: the branch
+    assert sorted(p.name for p in root.iterdir()) == names
     assert (root / "latest").read_text().strip() == "step_4"
 
 

@@ -155,3 +155,67 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path, case
     assert redone["step"].tolist() in ([3], [3, 4]) and set(redone["segment"]) == {1}
     assert run.end_status == "ok"
     assert "preempt" in run.events["kind"].tolist()
+
+
+# --- the resume rules, end to end (docs/checkpoints.md, "Resume rules") -----------------------
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_resume_rules_keep_history_and_apply_allowed_changes(tmp_path):
+    """Reproductions: resuming step_4 with train.steps=2 rewrote step_2 with step-4 weights and
+    left a result of 2 steps with 4 losses; a changed weight decay / beta2 never reached AdamW.
+    Now the first is refused (by the launcher, and by the ranks if launched directly) and the
+    second applies with --allow-change, logged as a config_change event."""
+    from dynmo_hpc.errors import CheckpointError
+    from dynmo_hpc.model.optim import lr_at
+    from tests.helpers.jobs import tiny_config
+
+    base = ("checkpoint.every_steps=2", "checkpoint.keep=5", "checkpoint.at_end=true")
+    cfg = tiny_config(tmp_path, *base)
+    assert launch_local(cfg, timeout_s=240)[0] == 0
+    root = cfg.run_dir / "checkpoint"
+    step_2, step_4 = root / "step_2", root / "step_4"
+    before = _files(step_2)
+    result_before = (cfg.run_dir / "result.json").read_text()
+
+    shorter = tiny_config(tmp_path, *base, "train.steps=2", "fault.max_restarts=0")
+    with pytest.raises(CheckpointError, match=r"train\.steps=2 is below the checkpoint's step 4"):
+        resolve_resume(shorter, str(step_4), ["train.steps"])
+    assert (cfg.run_dir / "result.json").read_text() == result_before
+    rc, _ = launch_local(shorter, timeout_s=240, resume_from=step_4)  # past the launcher
+    assert rc != 0
+    assert _files(step_2) == before, "step_2 was rewritten"
+    result_path = cfg.run_dir / "result.json"  # the launch clears it; no 2-step result appears
+    assert not result_path.exists() or result_path.read_text() == result_before
+
+    changes = ("train.lr=3e-3", "train.weight_decay=0.01", "train.beta2=0.99")
+    changed = tiny_config(tmp_path, *base, "train.steps=6", *changes)
+    with pytest.raises(CheckpointError, match=r"train\.lr 0\.001 -> 0\.003"):
+        resolve_resume(changed, "")
+    allowed = ["train.lr", "train.weight_decay", "train.beta2"]
+    assert resolve_resume(changed, "", allowed) == step_4
+    assert launch_local(changed, timeout_s=240, resume_from=step_4)[0] == 0
+
+    result = json.loads((cfg.run_dir / "result.json").read_text())
+    assert result["completed_steps"] == 6 and len(result["losses"]) == 6
+    for index in range(cfg.model.num_layers):
+        groups = checkpoint.load_layer(root / "step_6", index)["optimizer"]["param_groups"]
+        assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+        assert tuple(groups[0]["betas"]) == (0.9, 0.99)
+    run_log = load(cfg.run_dir / "run.h5")
+    events = [r["detail"] for _, r in run_log.events.iterrows() if r["kind"] == "config_change"]
+    assert len(events) == 1
+    logged = {c["key"]: (c["saved"], c["new"], c["rule"]) for c in events[0]["changes"]}
+    assert logged == {
+        "train.lr": (1e-3, 3e-3, "math"),
+        "train.weight_decay": (0.1, 0.01, "math"),
+        "train.beta2": (0.95, 0.99, "math"),
+        "train.steps": (4, 6, "steps"),
+    }
+    lrs = dict(zip(run_log.steps["step"], run_log.steps["lr"], strict=True))
+    assert lrs[5] == pytest.approx(lr_at(5, changed.train))

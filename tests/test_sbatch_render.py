@@ -205,3 +205,16 @@ def test_mpi_step_argv_mpirun_uses_the_venvs() -> None:
 def test_mpi_step_argv_errors(launcher: str, argv: list[str], num_tasks: int | None) -> None:
     with pytest.raises(ValueError):
         mpi_step_argv(launcher, argv, num_tasks=num_tasks)
+
+
+def test_resume_from_reaches_the_manager_quoted_and_only_when_given() -> None:
+    plain = render_sbatch(**MINIMAL)
+    assert plain.endswith("exec python -m dynmo_hpc.slurm.manager c.yaml\n")
+    assert "--resume" not in plain
+    text = render_sbatch(**MINIMAL, resume_from="/r/my run/checkpoint/step_4")
+    assert text.endswith(
+        "exec python -m dynmo_hpc.slurm.manager c.yaml --resume '/r/my run/checkpoint/step_4'\n"
+    )
+    assert text.count("exec ") == 1
+    with pytest.raises(SbatchOptionError, match="resume_from"):
+        render_sbatch(**MINIMAL, resume_from="")

@@ -60,6 +60,6 @@ def test_a_real_run_log_replays_at_eight_stages(tmp_path: Path) -> None:
     rows = sim_scale.simulate_run(cfg.run_dir / "run.h5", [8], 4, 100.0)
     (row,) = rows
     assert row["stages"] == 8 and row["blocks"] == 24 and row["microbatches"] == 32
-    assert set(row["tokens_per_s"]) == {"uniform", "parameters", "optimal", "diffusion"}
+    assert set(row["tokens_per_s"]) == {"uniform", "megatron", "parameters", "optimal", "diffusion"}
     assert all(v > 0 for v in row["tokens_per_s"].values())
     assert row["paper"] == pytest.approx(float("nan"), nan_ok=True)  # plain: no paper figure

@@ -17,6 +17,7 @@ the resize and 4 then 2 nodes held.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -154,3 +155,51 @@ def test_sbatch_job_packs_from_four_nodes_to_two(
     finally:
         slurm_cluster.run(["scancel", str(job_id)], check=False)
     check_run_log(slurm_cluster, job_id, run_dir, context())
+
+
+REFUSING_SCONTROL = """#!/bin/bash
+# Test shim: SLURM refuses every shrink of a running job; every other scontrol call is real.
+if [ "${1:-}" = update ]; then
+    echo "slurm_update error: Requested operation is presently disabled" >&2
+    exit 1
+fi
+exec {real} "$@"
+"""
+
+
+def test_sbatch_job_whose_shrink_is_refused_completes_at_the_original_size(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """``scontrol update`` refused inside the job (a shim first on the PATH the job inherits):
+    the job trains on at 4 stages from the pack's checkpoint and ends COMPLETED."""
+    real = shutil.which("scontrol", path=slurm_cluster.env.get("PATH"))
+    assert real, "scontrol not found on the cluster's PATH"
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text(REFUSING_SCONTROL.replace("{real}", real))
+    (shims / "scontrol").chmod(0o755)
+    env = {**slurm_cluster.env, "PATH": f"{shims}:{slurm_cluster.env['PATH']}"}
+    name = unique("elastic-refused")
+    out = subprocess.run(
+        [sys.executable, "-m", "dynmo_hpc", "sbatch", JOB, "--submit",
+         *as_args(overrides(tmp_path, name))],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = re.search(r"submitted job (\d+)", out.stdout)
+    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    job_id = int(found.group(1))
+    run_dir = tmp_path / name
+    context = f"logs {run_dir}/{name}-{job_id}.out/.err"
+    try:
+        assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    run = runlog.load(run_dir / "run.h5")
+    assert len(run.steps) == 70 and set(run.steps["num_nodes"].tolist()) == {4}, context
+    assert set(run.steps["num_stages"].tolist()) == {4}, context
+    kinds = run.events["kind"].tolist()
+    assert "resize" not in kinds, context
+    (refused,) = run.events[run.events["kind"] == "shrink_refused"]["detail"].tolist()
+    assert (refused["from_stages"], refused["to_stages"]) == (4, 2), refused
+    assert "presently disabled" in refused["message"], refused
+    assert (run_dir / "result.json").is_file()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from submitit.slurm.slurm import _make_sbatch_string
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli import main
 from dynmo_hpc.config import ConfigError
+from dynmo_hpc.errors import CheckpointError, LaunchError
 from dynmo_hpc.slurm import render_sbatch, scheduler
 from dynmo_hpc.slurm import submit as submit_mod
 from dynmo_hpc.slurm.scheduler import (
@@ -447,3 +449,141 @@ def test_sweep_values_are_read_like_job_files() -> None:
     with pytest.raises(ConfigError, match=r"aliases .* are not allowed.*HINT") as info:
         parse_sweep("train.steps=&a 1,*a")
     assert "\n" not in str(info.value)
+
+
+# --- --resume: continuing a run on the cluster (docs/checkpoints.md, "Resume rules") -----------
+
+
+def _tiny_sets(tmp_path: Path, *more: str) -> list[str]:
+    from tests.helpers.jobs import TINY
+
+    return [a for o in [*TINY, f"job.out_dir={tmp_path}", *more] for a in ("--set", o)]
+
+
+def test_sbatch_submit_resume_passes_the_checkpoint_to_the_manager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.helpers.fake_checkpoint import write_fake_checkpoint
+    from tests.helpers.jobs import tiny_config
+
+    cfg = tiny_config(tmp_path, "train.steps=6")
+    step_4 = write_fake_checkpoint(cfg, 4)
+    calls = fake_scheduler(monkeypatch, {"sinfo": (0, SINFO, ""), "sbatch": (0, "51\n", "")})
+    sets = _tiny_sets(tmp_path, "train.steps=8")
+    rc, _, err = run_cli(["sbatch", str(DEFAULT_JOB), "--submit", *sets], capsys)
+    assert rc == 2 and "add --resume" in err  # the refusal names the flag that now exists
+    rc, out, err = run_cli(["sbatch", str(DEFAULT_JOB), "--submit", "--resume", *sets], capsys)
+    assert rc == 0, err
+    assert f"resuming from {step_4} (after step 4 of 8" in out
+    script = (cfg.run_dir / "job.sbatch").read_text()
+    assert script.rstrip().endswith(f"--resume {step_4.resolve()}")
+    assert [c[0] for c in calls] == ["sinfo", "sinfo", "sbatch"]
+
+
+def test_sbatch_resume_with_a_changed_lr_is_refused_before_sbatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.helpers.fake_checkpoint import write_fake_checkpoint
+    from tests.helpers.jobs import tiny_config
+
+    write_fake_checkpoint(tiny_config(tmp_path), 2)
+    calls = fake_scheduler(monkeypatch, {"sinfo": (0, SINFO, ""), "sbatch": (0, "52\n", "")})
+    sets = _tiny_sets(tmp_path, "train.lr=3e-3")
+    rc, out, err = run_cli(["sbatch", str(DEFAULT_JOB), "--submit", "--resume", *sets], capsys)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "train.lr 0.001 -> 0.003" in err and "--allow-change train.lr" in err
+    assert "sbatch" not in [c[0] for c in calls]
+    argv = ["sbatch", str(DEFAULT_JOB), "--submit", "--resume", "--allow-change", "train.lr"]
+    rc, out, err = run_cli([*argv, *sets], capsys)
+    assert rc == 0, err
+    assert "accepted change (--allow-change): train.lr 0.001 -> 0.003" in out
+
+
+def test_sbatch_printed_with_resume_keeps_stdout_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.helpers.fake_checkpoint import write_fake_checkpoint
+    from tests.helpers.jobs import tiny_config
+
+    step_2 = write_fake_checkpoint(tiny_config(tmp_path), 2)
+    rc, out, err = run_cli(
+        ["sbatch", str(DEFAULT_JOB), "--resume", str(step_2), *_tiny_sets(tmp_path)], capsys
+    )
+    assert rc == 0, err
+    assert out.startswith("#!/bin/bash\n") and out.rstrip().endswith(f"--resume {step_2}")
+    assert f"resuming from {step_2}" in err
+
+
+class _FakeJob:
+    job_id = "77"
+
+
+class _FakeExecutor:
+    folder = Path("/nonexistent")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def submit(self, fn: Any, *args: Any) -> _FakeJob:
+        self.calls.append(args)
+        return _FakeJob()
+
+
+def test_submit_resume_hands_the_checkpoint_to_the_first_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers.fake_checkpoint import write_fake_checkpoint
+    from tests.helpers.jobs import TINY, tiny_config
+
+    step_4 = write_fake_checkpoint(tiny_config(tmp_path, "train.steps=6"), 4)
+    fake_scheduler(monkeypatch, {"sinfo": (0, SINFO, "")})
+    executor = _FakeExecutor()
+    monkeypatch.setattr(submit_mod, "make_executor", lambda *a, **k: executor)
+    overrides = [*TINY, f"job.out_dir={tmp_path}", "train.steps=6"]
+    with pytest.raises(LaunchError, match="already holds a run"):
+        submit_mod.submit(DEFAULT_JOB, overrides=overrides)
+    with pytest.raises(CheckpointError, match=r"train\.steps=2 is below the checkpoint's step 4"):
+        submit_mod.submit(DEFAULT_JOB, overrides=[*overrides, "train.steps=2"], resume=True)
+    with pytest.raises(ConfigError, match="resume does not take a sweep"):
+        submit_mod.submit(DEFAULT_JOB, overrides=overrides, resume=True, sweep={"train.lr": [1]})
+    submit_mod.submit(DEFAULT_JOB, overrides=overrides, resume=True)
+    config_path, _, _, resume_flag, resume_path = executor.calls[-1]
+    assert resume_flag is None and resume_path == str(step_4.resolve())
+    assert config_path == str(tmp_path / "default" / "config.yaml")
+
+
+def test_manager_takes_resume_for_its_first_run_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dynmo_hpc.slurm import manager
+    from tests.helpers.fake_checkpoint import write_fake_checkpoint
+    from tests.helpers.jobs import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    step_2 = write_fake_checkpoint(cfg, 2)
+    step_3 = write_fake_checkpoint(cfg, 3)
+    seen: list[tuple[Any, ...]] = []
+    done = SimpleNamespace(interrupted=0, exit_code=0)
+    monkeypatch.setattr(manager, "run_manager", lambda *a, **k: seen.append((a, k)) or done)
+    assert manager.main(["c.yaml", "--resume", str(step_2), "train.lr=0.002"]) == 0
+    assert seen == [(("c.yaml", ["train.lr=0.002"]), {"resume_path": str(step_2)})]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert manager._starting_checkpoint(cfg.run_dir, None, 1, step_2) == (True, step_2)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: it has written newer ones
+    assert manager._starting_checkpoint(cfg.run_dir, None, 1, step_2) == (True, step_3)
+
+
+def test_failed_requeue_names_the_command_that_continues_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dynmo_hpc.slurm import manager
+
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Requested operation is presently disabled' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with caplog.at_level("ERROR", logger="dynmo_hpc"):
+        assert manager.requeue(12, "runs/my job/config.yaml") is False
+    assert "presently disabled" in caplog.text
+    assert "dynmo-hpc sbatch 'runs/my job/config.yaml' --submit --resume" in caplog.text

@@ -13,28 +13,55 @@ activation (forward) or gradient (backward) message per microbatch. Where the ra
 CPU cores than there are stages (``num_cpu_slots``; local runs on a small machine), the step
 cannot be shorter than ``total load / min(P, num_cpu_slots)`` either: the cores, not the
 stages, are then the limit. The prediction for the partition in force is compared with the
-measured step time, and that ratio calibrates every candidate (``calibration``), so modelling
+measured step time, and that ratio calibrates every prediction (``calibration``), so modelling
 error common to all stage counts cancels.
 
-Every smaller stage count is tried with its optimal partition (``balance.optimal`` under the
-memory capacity). A candidate must
+What a pack is compared with (so that it is credited only with what packing does):
+
+- ``rebalanced``: the best partition at the current stage count (``balance.optimal``). A
+  rebalance could reach it without a restart, so a pack's gain and its saving are measured
+  from it, never from the partition in force.
+- ``reference_tokens_per_s``: the bound's reference, the higher of the best predicted tokens/s
+  at the job's original stage count (``original_stages``) on the current costs and
+  ``rebalanced``'s (and a floor the caller may give, ``PackRequest.reference_tokens_per_s``).
+  It does not fall with the stage count, so repeated decisions on constant costs cannot walk
+  down one stage at a time: the bound is always against the original size. It is predicted
+  under the same calibration as the candidates, so a noisy measurement scales both alike and
+  the comparison is the model's alone.
+- ``correction``: measured / predicted tokens/s after the previous pack (``pack_result``),
+  capped at 1. The calibration absorbs the model's error at the current size; the correction
+  is its error across a change of size, so it divides every smaller candidate's predicted
+  speed. Capped at 1 so that a lucky measurement never licenses a pack the model does not.
+
+Every smaller stage count is tried with its optimal partition under the memory capacity. A
+layer's memory is its fixed bytes (weights, gradients, optimizer state) plus its activation
+bytes per microbatch times the microbatches in flight on stage 0 of the candidate (1F1B: stage
+``s`` of ``P`` holds at most ``P - s``, so ``min(M, P)``; GPipe: ``M``): safe wherever the layer
+lands. A candidate must
 
 - release at least one whole node (``ranks_per_node`` ranks each; locally every rank is its
   own "node", i.e. ``ranks_per_node = 1``), never part of one;
-- fit every stage in memory (per-layer bytes against ``capacity_bytes``);
-- not go below ``min_stages``.
+- fit every stage in memory (``capacity_bytes`` per stage);
+- not go below ``min_stages``;
+- keep its predicted tokens/s (corrected) at least ``(1 - max_slowdown) x reference``, under
+  either policy.
 
 The pack policy (``elastic.policy``; not a balancing algorithm) picks among them:
 
-- ``throughput``: the fewest nodes whose predicted tokens/s is at least ``1 - max_slowdown``
-  of the current prediction; among those, the fastest ("consolidate without sacrificing
-  throughput");
-- ``node_hours``: the best predicted tokens per node-hour, if better than the current.
+- ``throughput``: the fewest nodes; among those, the fastest ("consolidate without
+  sacrificing throughput");
+- ``node_hours``: the best predicted tokens per node-hour, if better than ``rebalanced``'s.
 
-Then it pays only if the node-seconds saved over the steps left beat the restart overhead
-(checkpoint, step exit, shrink, relaunch, restore), paid while holding the current nodes:
+Then it pays only if the node-seconds saved over the steps left, against ``rebalanced``, beat
+the restart overhead (checkpoint, step exit, shrink, relaunch, restore), paid while holding the
+current nodes:
 
-    steps_left * (nodes_now * step_now - nodes_new * step_new) > restart_overhead_s * nodes_now
+    steps_left * (nodes_now * step_rebalanced - nodes_new * step_new)
+        > restart_overhead_s * nodes_now
+
+When the plan does not pack, the caller's rebalancing rule decides at the same report; when it
+packs, the pack replaces the rebalance (the layers move through the pack's checkpoint): one
+decision per report.
 
 Pure: no clock, no MPI; the caller supplies measurements.
 """
@@ -86,6 +113,31 @@ def nodes_for(num_stages: int, ranks_per_node: int) -> int:
     return -(-num_stages // ranks_per_node)
 
 
+def microbatches_in_flight(num_stages: int, num_microbatches: int, schedule: str) -> int:
+    """The most microbatches whose activations one stage of ``num_stages`` holds at once.
+
+    GPipe runs every forward before any backward: ``M``. 1F1B lets stage ``s`` start at most
+    ``P - s`` forwards before its first backward, so the worst stage (0) holds ``min(M, P)``.
+    """
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_stages)
+
+
+def layer_memory_at(
+    fixed_bytes: Sequence[float],
+    activation_bytes: Sequence[float] | None,
+    in_flight: int,
+) -> list[float]:
+    """Per layer: what it holds on any stage of a pipeline with ``in_flight`` microbatches in
+    flight on its worst stage: fixed bytes plus ``in_flight`` microbatches of activations."""
+    if activation_bytes is None:
+        return [float(b) for b in fixed_bytes]
+    return [
+        float(f) + in_flight * float(a) for f, a in zip(fixed_bytes, activation_bytes, strict=True)
+    ]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PackCandidate:
     """One stage count: its best partition and what it is predicted to do."""
@@ -96,7 +148,8 @@ class PackCandidate:
     """Its optimal partition (empty when nothing fits in memory)."""
     fits_memory: bool
     step_time_s: float
-    """Predicted seconds per step, calibrated against the measured current step."""
+    """Predicted seconds per step: calibrated against the measured current step and, for a
+    smaller stage count, divided by the correction."""
     tokens_per_s: float
     tokens_per_node_hour: float
 
@@ -110,14 +163,22 @@ class PackPlan:
     pack_policy: str
     """``elastic.policy`` the candidate was chosen with (``policy`` in the run-log event)."""
     current: PackCandidate
+    """The partition in force."""
+    rebalanced: PackCandidate
+    """The best partition at the current stage count: what a pack is compared with."""
     chosen: PackCandidate
     """The candidate to pack onto (``current`` when ``pack`` is False)."""
     candidates: list[PackCandidate]
     """Every smaller stage count that would release a node, best partition each."""
     calibration: float
     """Measured / predicted step time of the partition in force (1.0 when not measured)."""
+    correction: float
+    """Measured / predicted tokens/s of the previous pack (capped at 1; 1.0 when none)."""
+    reference_tokens_per_s: float
+    """The slowdown bound's reference (see the module docstring)."""
     saving_node_s: float
-    """Node-seconds saved over the steps left by ``chosen`` (0 when it is ``current``)."""
+    """Node-seconds ``chosen`` saves over the steps left against ``rebalanced`` (0 when it is
+    ``current``)."""
     overhead_node_s: float
     """Node-seconds the resize costs: restart overhead x nodes held now."""
     reason: str
@@ -131,10 +192,15 @@ class PackPlan:
             "to_stages": self.chosen.num_stages,
             "from_nodes": self.current.num_nodes,
             "to_nodes": self.chosen.num_nodes,
+            "from_parts": self.current.parts,
             "parts": self.chosen.parts,
             "predicted_tokens_per_s_before": self.current.tokens_per_s,
+            "predicted_tokens_per_s_rebalanced": self.rebalanced.tokens_per_s,
+            "rebalanced_parts": self.rebalanced.parts,
             "predicted_tokens_per_s_after": self.chosen.tokens_per_s,
+            "reference_tokens_per_s": self.reference_tokens_per_s,
             "calibration": self.calibration,
+            "correction": self.correction,
             "saving_node_s": self.saving_node_s,
             "overhead_node_s": self.overhead_node_s,
             "candidates": [asdict(c) for c in self.candidates],
@@ -159,11 +225,15 @@ class PackRequest:
     pack_policy: str = "throughput"
     """``elastic.policy``: how a candidate is chosen (:data:`PACK_POLICIES`)."""
     max_slowdown: float = 0.1
-    """``elastic.max_slowdown``: the throughput a ``throughput`` pack may lose, as a fraction."""
+    """``elastic.max_slowdown``: the throughput a pack may lose against the reference."""
     min_stages: int = 1
     """``elastic.min_stages``: never pack below this."""
     memory_bytes: CostsLike | None = None
-    """Per layer: bytes it holds on its stage (with ``capacity_bytes``, both or none)."""
+    """Per layer: fixed bytes it holds on its stage (with ``capacity_bytes``)."""
+    activation_bytes: CostsLike | None = None
+    """Per layer: activation bytes per microbatch in flight (with ``memory_bytes``)."""
+    schedule: str = "1f1b"
+    """``pipeline.schedule``: microbatches a stage holds (:func:`microbatches_in_flight`)."""
     capacity_bytes: float | None = None
     """Per stage: bytes it may hold."""
     comm_s: float = 0.0
@@ -172,6 +242,12 @@ class PackRequest:
     """CPU cores the ranks share when fewer than the stages (None: one each)."""
     measured_step_s: float | None = None
     """The measured step time now, to calibrate the model (None: uncalibrated)."""
+    original_stages: int | None = None
+    """The job's stage count before any pack (None: the current one)."""
+    reference_tokens_per_s: float | None = None
+    """A floor for the reference (None: the original size's prediction alone)."""
+    correction: float = 1.0
+    """Measured / predicted tokens/s of the previous pack (``pack_result``); capped at 1."""
 
     def check(self) -> None:
         """Raise ValueError on a setting no decision can use."""
@@ -190,6 +266,22 @@ class PackRequest:
             raise ValueError(
                 f"restart_overhead_s={self.restart_overhead_s!r} must be finite and >= 0"
             )
+        if not (math.isfinite(self.correction) and self.correction > 0):
+            raise ValueError(f"correction={self.correction!r} must be finite and > 0")
+        ref = self.reference_tokens_per_s
+        if ref is not None and not (math.isfinite(ref) and ref >= 0):
+            raise ValueError(f"reference_tokens_per_s={ref!r} must be finite and >= 0")
+        if self.original_stages is not None and self.original_stages < 1:
+            raise ValueError(f"original_stages={self.original_stages} must be >= 1")
+
+    def stage_memory(self, num_layers: int, num_stages: int) -> list[float] | None:
+        """Per layer: bytes it holds on a pipeline of ``num_stages`` (None: not modelled)."""
+        if self.memory_bytes is None and self.activation_bytes is None:
+            return None
+        fixed = check_values(self.memory_bytes) if self.memory_bytes is not None else None
+        act = check_values(self.activation_bytes) if self.activation_bytes is not None else None
+        in_flight = microbatches_in_flight(num_stages, self.num_microbatches, self.schedule)
+        return layer_memory_at(fixed or [0.0] * num_layers, act, in_flight)
 
 
 @dataclass(frozen=True)
@@ -207,10 +299,13 @@ class _StepModel:
             self.values, parts, r.num_microbatches, comm_s=r.comm_s, num_cpu_slots=r.num_cpu_slots
         )
 
-    def candidate(self, num_stages: int, parts: list[int], fits: bool) -> PackCandidate:
-        """``parts`` on ``num_stages`` as a candidate (infinitely slow if it does not fit)."""
+    def candidate(
+        self, num_stages: int, parts: list[int], fits: bool, correction: float = 1.0
+    ) -> PackCandidate:
+        """``parts`` on ``num_stages`` as a candidate (infinitely slow if it does not fit);
+        ``correction`` divides its predicted speed (a smaller stage count's)."""
         nodes = nodes_for(num_stages, self.request.ranks_per_node)
-        step_s = self.predict_s(parts) * self.calibration if fits else math.inf
+        step_s = self.predict_s(parts) * self.calibration / correction if fits else math.inf
         tps = self.request.tokens_per_step / step_s if fits and step_s > 0 else 0.0
         return PackCandidate(
             num_stages=num_stages,
@@ -221,6 +316,17 @@ class _StepModel:
             tokens_per_s=tps,
             tokens_per_node_hour=tps * 3600.0 / nodes,
         )
+
+    def best(self, num_stages: int, correction: float = 1.0) -> PackCandidate | None:
+        """The optimal partition on ``num_stages`` under the memory capacity as a candidate, or
+        None when the model does not fit in memory on that many stages."""
+        r = self.request
+        memory = r.stage_memory(len(self.values), num_stages)
+        try:
+            parts = optimal(self.values, num_stages, memory=memory, capacity=r.capacity_bytes)
+        except ValueError:
+            return None
+        return self.candidate(num_stages, parts, True, correction)
 
 
 def _calibrated_model(values: list[float], parts: list[int], request: PackRequest) -> _StepModel:
@@ -234,7 +340,7 @@ def _calibrated_model(values: list[float], parts: list[int], request: PackReques
 
 
 def _smaller_candidates(
-    model: _StepModel, current_parts: list[int], current: PackCandidate
+    model: _StepModel, current_parts: list[int], current: PackCandidate, correction: float
 ) -> list[PackCandidate]:
     """Every smaller stage count down to ``min_stages`` that releases a node, with its optimal
     partition under the memory capacity (one that fits nowhere is kept, marked not fitting)."""
@@ -243,103 +349,136 @@ def _smaller_candidates(
     for n in range(current.num_stages - 1, max(r.min_stages, 1) - 1, -1):
         if nodes_for(n, r.ranks_per_node) >= current.num_nodes or n > len(model.values):
             continue
-        try:
-            best_parts = optimal(model.values, n, memory=r.memory_bytes, capacity=r.capacity_bytes)
-        except ValueError:  # the model does not fit in memory on n stages
-            out.append(model.candidate(n, list(current_parts), False))
-            continue
-        out.append(model.candidate(n, best_parts, True))
+        best = model.best(n, correction)
+        out.append(best if best is not None else model.candidate(n, list(current_parts), False))
     return out
+
+
+def _reference_tokens_per_s(model: _StepModel, rebalanced: PackCandidate) -> float:
+    """The bound's reference: the best of the original size now, the caller's floor and the
+    rebalanced current size (see the module docstring)."""
+    r = model.request
+    original = r.original_stages or rebalanced.num_stages
+    at_original = rebalanced.tokens_per_s
+    if rebalanced.num_stages < original <= len(model.values):
+        best = model.best(original)
+        at_original = best.tokens_per_s if best is not None else 0.0
+    return max(at_original, rebalanced.tokens_per_s, r.reference_tokens_per_s or 0.0)
 
 
 @dataclass(frozen=True)
 class _Choice:
-    """The chosen candidate (``current`` to keep) and why, before the overhead test."""
+    """The chosen candidate (``rebalanced`` to keep) and why, before the overhead test."""
 
     chosen: PackCandidate
     reason: str
 
 
-def _by_throughput(
-    current: PackCandidate, fitting: list[PackCandidate], max_slowdown: float
-) -> _Choice:
-    """The fewest nodes within ``max_slowdown`` of the current throughput; the fastest of
-    those."""
-    num_stages = current.num_stages
-    floor = (1.0 - max_slowdown) * current.tokens_per_s
+def _within_bound(
+    rebalanced: PackCandidate, fitting: list[PackCandidate], request: PackRequest, reference: float
+) -> tuple[list[PackCandidate], str]:
+    """The fitting candidates within ``max_slowdown`` of the reference; the reason to keep
+    when there is none."""
+    floor = (1.0 - request.max_slowdown) * reference
     good = [c for c in fitting if c.tokens_per_s >= floor]
-    if not good:
-        fastest = max(fitting, key=lambda c: c.tokens_per_s)
-        return _Choice(
-            current,
-            f"keep {num_stages} stages: the best smaller one ({fastest.num_stages} stages, "
-            f"{fastest.tokens_per_s:.4g} tokens/s) is below (1 - {max_slowdown:g}) x "
-            f"{current.tokens_per_s:.4g} tokens/s",
-        )
+    if good:
+        return good, ""
+    fastest = max(fitting, key=lambda c: c.tokens_per_s)
+    return [], (
+        f"keep {rebalanced.num_stages} stages: the best smaller one ({fastest.num_stages} "
+        f"stages, {fastest.tokens_per_s:.4g} tokens/s) is below (1 - {request.max_slowdown:g})"
+        f" x reference {reference:.4g} tokens/s (rebalanced now: "
+        f"{rebalanced.tokens_per_s:.4g})"
+    )
+
+
+def _by_throughput(
+    rebalanced: PackCandidate, good: list[PackCandidate], ms: float, reference: float
+) -> _Choice:
+    """The fewest nodes among ``good`` (all within the bound); the fastest of those."""
     fewest = min(c.num_nodes for c in good)
     chosen = max(
         (c for c in good if c.num_nodes == fewest), key=lambda c: (c.tokens_per_s, c.num_stages)
     )
     return _Choice(
         chosen,
-        f"pack {num_stages} -> {chosen.num_stages} stages ({current.num_nodes} -> "
-        f"{chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
-        f"(1 - {max_slowdown:g}) x {current.tokens_per_s:.4g}",
+        f"pack {rebalanced.num_stages} -> {chosen.num_stages} stages ({rebalanced.num_nodes} "
+        f"-> {chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
+        f"(1 - {ms:g}) x reference {reference:.4g} (rebalanced now: "
+        f"{rebalanced.tokens_per_s:.4g})",
     )
 
 
-def _by_node_hours(current: PackCandidate, fitting: list[PackCandidate]) -> _Choice:
-    """The best tokens per node-hour, if better than the current."""
-    num_stages = current.num_stages
-    top = max(fitting, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
-    if top.tokens_per_node_hour <= current.tokens_per_node_hour:
+def _by_node_hours(rebalanced: PackCandidate, good: list[PackCandidate]) -> _Choice:
+    """The best tokens per node-hour among ``good``, if better than the rebalanced now."""
+    num_stages = rebalanced.num_stages
+    top = max(good, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
+    if top.tokens_per_node_hour <= rebalanced.tokens_per_node_hour:
         return _Choice(
-            current,
-            f"keep {num_stages} stages: {current.tokens_per_node_hour:.4g} tokens/node-hour is "
-            f"the top (next {top.num_stages} stages: {top.tokens_per_node_hour:.4g})",
+            rebalanced,
+            f"keep {num_stages} stages: {rebalanced.tokens_per_node_hour:.4g} tokens/node-hour "
+            f"rebalanced is the top (next {top.num_stages} stages: "
+            f"{top.tokens_per_node_hour:.4g})",
         )
     return _Choice(
         top,
         f"pack {num_stages} -> {top.num_stages} stages: {top.tokens_per_node_hour:.4g} > "
-        f"{current.tokens_per_node_hour:.4g} tokens per node-hour",
+        f"{rebalanced.tokens_per_node_hour:.4g} tokens per node-hour (rebalanced), within the "
+        "slowdown bound",
     )
 
 
 def _choose(
-    current: PackCandidate, candidates: list[PackCandidate], request: PackRequest
+    rebalanced: PackCandidate,
+    candidates: list[PackCandidate],
+    request: PackRequest,
+    reference: float,
 ) -> _Choice:
-    """The pack policy's pick among the candidates that fit (``current`` when none does)."""
+    """The pack policy's pick among the candidates that fit and keep within the slowdown bound
+    (``rebalanced`` when none does)."""
     fitting = [c for c in candidates if c.fits_memory]
     if not fitting:
         why = "no smaller stage count releases a node" if not candidates else "none fits memory"
-        return _Choice(current, f"keep {current.num_stages} stages: {why}")
+        return _Choice(rebalanced, f"keep {rebalanced.num_stages} stages: {why}")
+    good, why = _within_bound(rebalanced, fitting, request, reference)
+    if not good:
+        return _Choice(rebalanced, why)
     if request.pack_policy == "throughput":
-        return _by_throughput(current, fitting, request.max_slowdown)
-    return _by_node_hours(current, fitting)
+        return _by_throughput(rebalanced, good, request.max_slowdown, reference)
+    return _by_node_hours(rebalanced, good)
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    """What the decision compares against: the partition in force and its best rebalance."""
+
+    current: PackCandidate
+    rebalanced: PackCandidate
+    calibration: float
+    correction: float
+    reference: float
 
 
 def _pays(
-    choice: _Choice,
-    current: PackCandidate,
-    candidates: list[PackCandidate],
-    calibration: float,
-    request: PackRequest,
+    choice: _Choice, base: _Baseline, candidates: list[PackCandidate], request: PackRequest
 ) -> PackPlan:
-    """The plan: pack onto the choice only if the node-seconds it saves over the steps left
-    beat the restart overhead paid on the nodes held now."""
+    """The plan: pack onto the choice only if the node-seconds it saves over the steps left,
+    against the rebalanced current size, beat the restart overhead on the nodes held now."""
+    current, rebalanced = base.current, base.rebalanced
     chosen, reason, steps_left = choice.chosen, choice.reason, request.steps_left
+    moved = chosen is not rebalanced
     saving_s = 0.0
-    if chosen is not current:
+    if moved:
         saving_s = steps_left * (
-            current.num_nodes * current.step_time_s - chosen.num_nodes * chosen.step_time_s
+            rebalanced.num_nodes * rebalanced.step_time_s - chosen.num_nodes * chosen.step_time_s
         )
     overhead_s = request.restart_overhead_s * current.num_nodes
-    pack = chosen is not current and saving_s > overhead_s
-    if chosen is not current and not pack:
+    pack = moved and saving_s > overhead_s
+    if moved and not pack:
         reason = (
             f"keep {current.num_stages} stages: packing to {chosen.num_stages} would save "
-            f"{saving_s:.4g} node-s over {steps_left} steps <= restart overhead "
-            f"{overhead_s:.4g} node-s"
+            f"{saving_s:.4g} node-s over {steps_left} steps (against the rebalanced partition)"
+            f" <= restart overhead {overhead_s:.4g} node-s"
         )
     elif pack:
         reason += (
@@ -350,10 +489,13 @@ def _pays(
         pack=pack,
         pack_policy=request.pack_policy,
         current=current,
+        rebalanced=rebalanced,
         chosen=chosen if pack else current,
         candidates=candidates,
-        calibration=calibration,
-        saving_node_s=saving_s if pack or chosen is not current else 0.0,
+        calibration=base.calibration,
+        correction=base.correction,
+        reference_tokens_per_s=base.reference,
+        saving_node_s=saving_s,
         overhead_node_s=overhead_s,
         reason=reason,
     )
@@ -363,7 +505,8 @@ def plan_pack(costs_s: CostsLike, parts: Sequence[int], request: PackRequest) ->
     """Whether to pack ``parts`` onto fewer stages (see the module docstring).
 
     ``costs_s``: smoothed seconds per layer per step; ``parts``: the partition in force;
-    ``request``: the step's shape, the allocation, the pack policy and the measurements.
+    ``request``: the step's shape, the allocation, the pack policy, the measurements and what
+    earlier decisions carried (original size, reference, correction).
 
     Example: one heavy layer sets the pace; 3 stages are as fast as 4 and free a node::
 
@@ -375,7 +518,15 @@ def plan_pack(costs_s: CostsLike, parts: Sequence[int], request: PackRequest) ->
     current_parts = check_parts(parts, len(values))
     request.check()
     model = _calibrated_model(values, current_parts, request)
-    current = model.candidate(len(current_parts) - 1, current_parts, True)
-    candidates = _smaller_candidates(model, current_parts, current)
-    choice = _choose(current, candidates, request)
-    return _pays(choice, current, candidates, model.calibration, request)
+    num_stages = len(current_parts) - 1
+    current = model.candidate(num_stages, current_parts, True)
+    best_now = model.best(num_stages)
+    rebalanced = current
+    if best_now is not None and best_now.step_time_s < current.step_time_s:
+        rebalanced = best_now
+    correction = min(1.0, request.correction)
+    candidates = _smaller_candidates(model, current_parts, current, correction)
+    reference = _reference_tokens_per_s(model, rebalanced)
+    choice = _choose(rebalanced, candidates, request, reference)
+    base = _Baseline(current, rebalanced, model.calibration, correction, reference)
+    return _pays(choice, base, candidates, request)

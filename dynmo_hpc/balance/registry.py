@@ -25,7 +25,7 @@ from typing import Any
 from dynmo_hpc.balance.common import CostsLike, stage_loads
 from dynmo_hpc.balance.diffusion import diffusion, diffusion_trace
 from dynmo_hpc.balance.optimal import optimal
-from dynmo_hpc.balance.static import parameters, uniform
+from dynmo_hpc.balance.static import megatron, parameters, uniform
 
 STATIC = "static"
 """The ``balance.algorithm`` value that never moves a layer (not an algorithm: no entry)."""
@@ -139,7 +139,12 @@ def _diffusion_path(costs_s: Sequence[float], state: BalanceState) -> Proposal:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "uniform": Algorithm(function=uniform, label="static uniform (Megatron-LM)", rebalances=False),
+    "uniform": Algorithm(
+        function=uniform, label="static uniform (equal layer counts)", rebalances=False
+    ),
+    "megatron": Algorithm(
+        function=megatron, label="static Megatron-LM (even blocks)", rebalances=False
+    ),
     "parameters": Algorithm(
         function=parameters,
         label="static by parameters (DeepSpeed)",

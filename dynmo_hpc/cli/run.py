@@ -7,10 +7,12 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.cli.args import add_overrides_argument, add_resume_arguments
 from dynmo_hpc.launch.local import run_local
 from dynmo_hpc.launch.supervisor import JobOutcome
 from dynmo_hpc.version import __version__
@@ -22,41 +24,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("job", help="job YAML, e.g. jobs/default.yaml")
     add_overrides_argument(p)
     p.add_argument("--report", action="store_true", help="write the run report when done")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--resume",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="PATH",
-        help="continue the job's run from its newest intact checkpoint, or from PATH (a run "
-        "directory or a checkpoint/step_<n> directory); pipeline.num_stages may differ",
-    )
-    mode.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier run of this job (its run log, checkpoints and result)",
+    add_resume_arguments(
+        p,
+        "continue the job's run from its newest intact checkpoint, or from PATH (a run "
+        "directory or a checkpoint/step_<n> directory); pipeline.num_stages may differ; a "
+        "change of train.* refuses unless --allow-change names it",
     )
     p.set_defaults(func=cmd_run)
 
 
-def resolve_resume(cfg: config_mod.JobConfig, path_text: str) -> Path:
-    """The verified checkpoint directory ``--resume [PATH]`` names, checked against the job."""
-    from dynmo_hpc.pipeline import checkpoint, resume
+def resolve_resume(
+    cfg: config_mod.JobConfig,
+    path_text: str,
+    allowed: Sequence[str] = (),
+    out: TextIO | None = None,
+) -> Path:
+    """The verified checkpoint directory ``--resume [PATH]`` names, checked against the job
+    under the resume rules (``allowed``: the ``--allow-change`` keys); prints what it chose and
+    each accepted change to ``out`` (default stdout), warnings to stderr."""
+    from dynmo_hpc.pipeline import resume
 
-    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
-    for candidate in skipped:
+    chosen = resume.choose_checkpoint(cfg, path_text, allowed)
+    out = sys.stdout if out is None else out
+    for candidate in chosen.skipped:
         print(
             f"warning: skipping checkpoint {candidate.path}: {candidate.problem}", file=sys.stderr
         )
-    state = checkpoint.read_run_state(chosen.path)
-    resume.check_compatible(cfg, state, chosen.path)
+    if "config" not in chosen.state:
+        print(
+            f"warning: {chosen.path} predates saved configs: only model, schemes, data, seed and "
+            "train.steps were checked, not train.*",
+            file=sys.stderr,
+        )
+    for change in chosen.verdict.accepted:
+        print(f"accepted change (--allow-change): {change.describe()}", file=out, flush=True)
     print(
         f"resuming from {chosen.path} (after step {chosen.step} of {cfg.train.steps}, "
-        f"{len(state['parts']) - 1} stages -> {cfg.pipeline.num_stages})",
+        f"{len(chosen.state['parts']) - 1} stages -> {cfg.pipeline.num_stages})",
+        file=out,
         flush=True,
     )
     return chosen.path
+
+
+def check_allow_change(args: argparse.Namespace) -> None:
+    """``--allow-change`` only means something with ``--resume``."""
+    if args.allow_change and args.resume is None:
+        raise config_mod.ConfigError(
+            f"--allow-change {args.allow_change[0]} needs --resume (a new run has nothing to "
+            "change from); HINT: add --resume, or drop --allow-change"
+        )
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
@@ -121,7 +138,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"-> {cfg.run_dir}",
         flush=True,
     )
-    resume_from = resolve_resume(cfg, args.resume) if args.resume is not None else None
+    check_allow_change(args)
+    resume_from = (
+        resolve_resume(cfg, args.resume, args.allow_change) if args.resume is not None else None
+    )
     t0 = time.perf_counter()
     outcome = run_local(cfg, resume_from=resume_from, overwrite=args.overwrite)
     run_dir = cfg.run_dir

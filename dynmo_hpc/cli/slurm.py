@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.cli.args import add_overrides_argument, add_resume_arguments
+from dynmo_hpc.cli.run import check_allow_change, resolve_resume
 from dynmo_hpc.launch import preflight
-from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir, refuse_if_locked
 from dynmo_hpc.slurm.sbatch import render_sbatch
 from dynmo_hpc.slurm.scheduler import (
     check_fits_cluster,
@@ -47,11 +48,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait", action="store_true", help="wait for the job to end; exit 1 unless COMPLETED"
     )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier run of this job (its run log, checkpoints and result); "
-        "without it, submitting into a run directory that holds a run is refused",
+    add_resume_arguments(
+        p,
+        "continue the job's run from its newest intact checkpoint, or from PATH (a run "
+        "directory or a checkpoint/step_<n> directory), checked here before anything is "
+        "queued; a requeued job continues from its newest checkpoint; without --resume or "
+        "--overwrite, submitting into a run directory that holds a run is refused",
     )
 
 
@@ -99,14 +101,22 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         raise config_mod.ConfigError(
             "--wait needs --submit; HINT: dynmo-hpc sbatch JOB --submit --wait"
         )
+    check_allow_change(args)
     data, source = load_job(args.job, args.overrides)
     cfg = resolve_for_cluster(config_mod.from_dict(data, source=source))
     if args.submit:  # printing a script for review (maybe for another host) checks no files
         preflight.check_job(cfg, for_slurm=True)
         check_fits_cluster(cfg, query_partitions())
-        claim_run_dir(cfg.run_dir, overwrite=args.overwrite)
+        if args.resume is None:
+            claim_run_dir(cfg.run_dir, overwrite=args.overwrite)
+        else:
+            refuse_if_locked(cfg.run_dir)
+    resume_from = None
+    if args.resume is not None:  # stdout is the script when it is only printed
+        out = sys.stdout if args.submit else sys.stderr
+        resume_from = str(resolve_resume(cfg, args.resume, args.allow_change, out).resolve())
     config_path = cfg.run_dir / "config.yaml"
-    script = render_sbatch(**sbatch_parameters_for(cfg, config_path))
+    script = render_sbatch(**sbatch_parameters_for(cfg, config_path), resume_from=resume_from)
     prepare_run_dir(cfg)
     if not args.submit:
         print(script, end="")
@@ -134,6 +144,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 f"--sweep {key} is given twice; HINT: list all its values in one --sweep"
             )
         sweep[key] = values
+    check_allow_change(args)
     t0 = time.perf_counter()
     submitted = submit(
         args.job,
@@ -141,6 +152,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         sweep=sweep or None,
         folder=args.folder,
         overwrite=args.overwrite,
+        resume=False if args.resume is None else (args.resume or True),
+        allow_change=args.allow_change,
     )
     jobs = submitted if isinstance(submitted, list) else [submitted]
     run_dirs = [Path(job.submission().args[0]).parent for job in jobs]

@@ -23,11 +23,13 @@ class ElasticSection:
     """Consider packing at all (off: the stage count never changes)."""
     policy: Literal["throughput", "node_hours"] = "throughput"
     """``throughput``: the fewest nodes whose predicted tokens/s stays within ``max_slowdown`` of
-    now. ``node_hours``: the best predicted tokens per node-hour."""
+    the reference (the best partition at the job's original stage count). ``node_hours``: the
+    best predicted tokens per node-hour within the same bound."""
     max_slowdown: float = 0.1
-    """With ``throughput``: the largest predicted throughput loss a pack may cost (0.1 = 10 %)."""
+    """The largest predicted throughput loss a pack may cost against the reference, under
+    either policy (0.1 = 10 %)."""
     min_stages: int = 1
-    """Never pack below this many stages."""
+    """Never pack below this many stages (raised above a packed size that ran out of memory)."""
     interval: int = 2
     """Load reports between packing decisions."""
     restart_overhead_s: float | None = None

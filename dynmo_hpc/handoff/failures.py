@@ -2,6 +2,8 @@
 
 The supervisor (:mod:`dynmo_hpc.launch.supervisor`) appends a record after each failed step;
 rank 0 of the step that follows takes them all (the file is removed), so each is logged once.
+A record may name another event kind under :data:`EVENT_KEY` (e.g. ``shrink_refused``): things
+the process outside the step saw between steps, which only a rank can write to the run log.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dynmo_hpc.atomic_io import atomic_write_text
 
 FAILURE_PENDING = "failure_pending.json"
 """Failures the next step's rank 0 logs to the run log (removed once logged)."""
+EVENT_KEY = "event"
+"""A record's run-log event kind when it is not ``failure`` (removed from the logged detail)."""
 
 
 def take_pending_failures(run_dir: Path) -> list[dict[str, Any]]:
@@ -35,3 +39,15 @@ def add_pending_failure(run_dir: Path, record: dict[str, Any]) -> None:
     except ValueError:
         records = []
     atomic_write_text(path, json.dumps([*records, record], indent=1))
+
+
+def add_pending_event(run_dir: Path, kind: str, detail: dict[str, Any]) -> None:
+    """The launcher: queue a ``kind`` event (not a failure) for the next step's run log."""
+    add_pending_failure(run_dir, {**detail, EVENT_KEY: kind})
+
+
+def event_kind(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A taken record's run-log event kind and its detail (without :data:`EVENT_KEY`)."""
+    detail = dict(record)
+    kind = detail.pop(EVENT_KEY, "failure")
+    return (kind if isinstance(kind, str) and kind else "failure"), detail

@@ -62,3 +62,18 @@ def resized_config(cfg: JobConfig, num_stages: int, parts: list[int]) -> JobConf
     """The job on ``num_stages`` stages with the planned partition (everything else as it was)."""
     pipeline = dataclasses.replace(cfg.pipeline, num_stages=num_stages, partition=list(parts))
     return dataclasses.replace(cfg, pipeline=pipeline)
+
+
+class ShrinkRefused(Exception):
+    """The scheduler refused to release nodes (``scontrol update`` failed or did not answer).
+
+    Raised by a backend's shrink; the supervisor then keeps the nodes and continues the job at
+    the size it had, from the pack's checkpoint (:func:`unshrunk_config`), instead of ending a
+    healthy job that still holds its checkpoint and its whole allocation.
+    """
+
+
+def unshrunk_config(cfg: JobConfig) -> JobConfig:
+    """The job at the size it has now, with packing off: after a refused shrink, asking again
+    at the next load report would checkpoint, end the step and be refused the same way."""
+    return dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, enabled=False))

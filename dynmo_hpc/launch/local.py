@@ -236,4 +236,11 @@ def run_local(
                 grace_s=step_cfg.fault.stop_grace_s,
             )
 
-        return supervise(cfg, run_step, shrink=lambda _cfg: 0.0, resume_from=resume_from)
+        # Local workers are processes: the ranks a pack gave up can always be started again.
+        return supervise(
+            cfg,
+            run_step,
+            shrink=lambda _cfg: 0.0,
+            resume_from=resume_from,
+            can_run=lambda _cfg: True,
+        )

@@ -14,13 +14,17 @@ imported when ``runtime.device`` is ``cuda`` on a local run, so the SLURM comman
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import ConfigError, LaunchError
+from dynmo_hpc.handoff.signal_budget import SignalBudget, measured_budget
 from dynmo_hpc.pipeline.corpus import read_corpus, split_sizes
+
+log = logging.getLogger(__name__)
 
 
 def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
@@ -45,6 +49,7 @@ def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
     if for_slurm:
         check_slurm_device(cfg)
         check_venv(cfg.slurm.venv)
+        warn_signal_budget(cfg)
     else:
         check_local_device(cfg.runtime.device)
         check_mpi_launcher(cfg.runtime.mpi_launcher)
@@ -138,3 +143,31 @@ def check_venv(venv: str | None) -> None:
                 f"{where} has no {name}: not a virtual environment; HINT: recreate it "
                 f"(python -m venv {venv}) or point slurm.venv at one"
             )
+
+
+def warn_signal_budget(cfg: JobConfig) -> SignalBudget | None:
+    """At submit time: warn when the run log already in the run directory (the run this job
+    continues) measured a step plus a checkpoint longer than ``slurm.signal_delay_s``.
+
+    A new run has no measurement yet; rank 0 checks again once it has one (run log event
+    ``signal_budget``). Returns the budget when it does not fit, else None. An unreadable run
+    log only skips the check: it is not this check's to refuse.
+    """
+    path = cfg.run_dir / "run.h5"
+    if not path.is_file():
+        return None
+    try:
+        from dynmo_hpc import runlog
+
+        run = runlog.load(path)
+        step_times_s = [float(t) for t in run.steps["step_time_s"]]
+        events = run.events[run.events["kind"] == "checkpoint"]["detail"]
+        checkpoint_times_s = [float(d["seconds"]) for d in events]
+    except Exception as exc:  # any damage means no measurement
+        log.debug("no signal budget from %s: %s", path, exc)
+        return None
+    budget = measured_budget(step_times_s, checkpoint_times_s, cfg.slurm.signal_delay_s)
+    if budget is None or budget.fits():
+        return None
+    log.warning("warning: %s (measured in %s)", budget.problem(), path)
+    return budget

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -21,8 +22,19 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
 
+log = logging.getLogger(__name__)
+
 RUN_OUTPUTS = ("run.h5", "result.json", "checkpoint", "report")
-"""What a run leaves in its directory (``config.yaml`` is rewritten by every launch)."""
+"""What a run leaves in its directory and ``--overwrite`` removes (``config.yaml`` is rewritten
+by every launch; SLURM logs, ``job.sbatch`` and ``submitit/`` are kept)."""
+
+OUTPUT_WHAT = {
+    "run.h5": "run log",
+    "result.json": "result",
+    "checkpoint": "checkpoints",
+    "report": "report",
+}
+"""What each of :data:`RUN_OUTPUTS` is, in the words ``--overwrite`` prints."""
 
 
 def prepare_run_dir(cfg: JobConfig) -> Path:
@@ -37,6 +49,23 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
 def run_outputs(run_dir: Path) -> list[str]:
     """The names of an earlier run's outputs present in ``run_dir``."""
     return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def describe_outputs(run_dir: Path, found: list[str]) -> str:
+    """``run.h5 (run log), checkpoint/ (checkpoints: step_2, step_4), ...``: what
+    ``--overwrite`` is about to remove, each path with what it is (checkpoints by step)."""
+    shown = []
+    for name in found:
+        path = run_dir / name
+        what = OUTPUT_WHAT.get(name, "output")
+        if name == "checkpoint" and path.is_dir():
+            steps = sorted(
+                (p.name for p in path.iterdir() if p.name.startswith("step_")),
+                key=lambda n: (len(n), n),
+            )
+            what += f": {', '.join(steps)}" if steps else ": none complete"
+        shown.append(f"{path}{'/' if path.is_dir() else ''} ({what})")
+    return ", ".join(shown)
 
 
 LOCK_FILE = ".lock"
@@ -102,18 +131,28 @@ def is_locked(run_dir: Path) -> bool:
     return False
 
 
+def refuse_if_locked(run_dir: Path) -> None:
+    """Raise :class:`LaunchError` naming the holder while a running job holds ``run_dir``
+    (a resume submitted while the run it continues is still running would share its files)."""
+    if is_locked(run_dir):
+        raise LaunchError(_busy(run_dir))
+
+
 def claim_run_dir(run_dir: Path, *, overwrite: bool, locked_by_us: bool = False) -> None:
     """Make ``run_dir`` ready for a new run: refuse one that holds a run, or clear it.
 
     Why: two runs writing one directory would interleave their run logs and checkpoints, and a
-    silently replaced run log is lost work. ``overwrite=True`` removes the earlier outputs.
+    silently replaced run log is lost work. ``overwrite=True`` removes the earlier outputs
+    (:data:`RUN_OUTPUTS`: run log, result, checkpoints, report), naming each in a warning first.
+    Checkpoints go too: kept, a later ``--resume`` or crash restart of the new run could pick
+    the old run's newer step and mix the two runs' weights.
 
     Raises:
         LaunchError: the directory holds a run and ``overwrite`` is False, or a running job
             holds it (unless ``locked_by_us``: the caller holds :func:`lock_run_dir`).
     """
-    if not locked_by_us and is_locked(run_dir):
-        raise LaunchError(_busy(run_dir))
+    if not locked_by_us:
+        refuse_if_locked(run_dir)
     found = run_outputs(run_dir)
     if not found:
         return
@@ -123,6 +162,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, locked_by_us: bool = False)
             "it from its newest checkpoint, --overwrite to replace it, or choose another "
             "job.name (--set job.name=...)"
         )
+    log.warning("--overwrite: removing %s", describe_outputs(run_dir, found))
     for name in found:
         path = run_dir / name
         if path.is_dir():

@@ -5,16 +5,24 @@ only says how to start one step (:data:`RunStep`) and how to give nodes back (:d
 
 * A step that exits 0 with a resize request (:mod:`dynmo_hpc.handoff.resize`) is followed by a
   shrink and a new, smaller step that resumes from the pack's checkpoint.
+  When the backend cannot shrink (:class:`~dynmo_hpc.handoff.resize.ShrinkRefused`), the job
+  continues at its current size from that checkpoint, with packing off, and the next step's
+  rank 0 logs a ``shrink_refused`` event.
 * A step that fails (a rank killed by a signal, an aborted rank, a failed migration) is
   restarted from the newest complete checkpoint (or from the start when there is none yet), up
-  to ``fault.max_restarts`` times. Each failure is described from the launcher's report and the
-  ranks' status files (:mod:`dynmo_hpc.launch.failure`), logged, and handed to the next step's
-  rank 0 in ``failure_pending.json`` for the run log's ``failure`` events. The same failure twice
-  in a row (same rank, cause and step) is not retried again: it is not transient.
+  to ``fault.max_restarts`` times. A packed step that ran out of memory (a rank wrote
+  :data:`~dynmo_hpc.handoff.oom.OUT_OF_MEMORY`) is not restarted as it was: it falls back to the
+  pre-pack stage count and partition when the backend still holds them (``can_run``), packing no
+  further than above the size that failed, or the job stops with an error that says so. Each
+  failure is described from the launcher's report and the ranks' status files
+  (:mod:`dynmo_hpc.launch.failure`), logged, and handed to the next step's rank 0 in
+  ``failure_pending.json`` for the run log's ``failure`` events. The same failure twice in a
+  row (same rank, cause and step) is not retried again: it is not transient.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -27,10 +35,18 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.handoff import rank_status
-from dynmo_hpc.handoff.failures import add_pending_failure
-from dynmo_hpc.handoff.resize import RESIZE_PHASES, resized_config, take_request
+from dynmo_hpc.handoff.failures import add_pending_event, add_pending_failure
+from dynmo_hpc.handoff.oom import take_out_of_memory
+from dynmo_hpc.handoff.resize import (
+    RESIZE_PHASES,
+    ShrinkRefused,
+    resized_config,
+    take_request,
+    unshrunk_config,
+)
 from dynmo_hpc.launch.failure import StepFailure, describe_failure
 from dynmo_hpc.launch.rundir import prepare_run_dir
+from dynmo_hpc.pipeline import lineage
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +80,8 @@ RunStep = Callable[[JobConfig, StepLaunch], StepResult]
 """Start one MPI step of a job and wait for it."""
 Shrink = Callable[[JobConfig], float]
 """Release what ``cfg`` (the smaller job) no longer needs; returns the seconds it took."""
+CanRun = Callable[[JobConfig], bool]
+"""Whether the backend still holds what ``cfg`` needs (a fallback to the pre-pack size)."""
 
 
 @dataclass
@@ -80,7 +98,8 @@ class JobOutcome:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete, verified checkpoint of the run, or None."""
+    """The newest complete, verified checkpoint of the run's current lineage, or None (see
+    :mod:`dynmo_hpc.pipeline.lineage`: never one of an abandoned branch)."""
     from dynmo_hpc.pipeline import checkpoint
 
     try:
@@ -96,17 +115,21 @@ def supervise(
     resume_from: Path | None = None,
     *,
     restart: bool = False,
+    can_run: CanRun | None = None,
 ) -> JobOutcome:
     """Run the job's MPI steps until one ends without asking for a resize or a restart.
 
     ``restart``: the first step starts over, appending to the run log (a requeued job with no
-    checkpoint yet).
+    checkpoint yet). The job continues the run's checkpoint branch when it resumes from the
+    newest checkpoint of the lineage, else starts one (:func:`dynmo_hpc.pipeline.lineage.enter`).
+    ``can_run``: whether the backend can still run a configuration after a shrink (locally
+    always; None: it cannot, the nodes are gone).
     """
     failures: list[StepFailure] = []
     restarts, restart_fresh = 0, restart
-    # A request or phases file left by a launcher that died: not this run's to act on.
-    take_request(cfg.run_dir)
-    (cfg.run_dir / RESIZE_PHASES).unlink(missing_ok=True)
+    unpacked: _Unpacked | None = None  # the job before the last pack, while it runs packed
+    lineage.enter(cfg.run_dir / "checkpoint", resume_from, restart=restart)  # continue or fork
+    _clear_stale(cfg.run_dir)
     for attempt in range(MAX_STEPS):
         config_path = prepare_run_dir(cfg)
         rank_status.clear(cfg.run_dir)
@@ -118,6 +141,7 @@ def supervise(
         if result.exit_code == 0:
             if request is None:
                 return JobOutcome(0, failures, restarts)
+            unpacked = _unpacked(cfg, request)
             cfg, resume_from = _resize(cfg, request, shrink), Path(request["checkpoint"])
             restart_fresh = False
             continue
@@ -127,6 +151,14 @@ def supervise(
         repeated = failure.same_as(failures[-1] if failures else None)
         failures.append(failure)
         record = {**failure.to_event(), "attempt": attempt, "unix_s": time.time()}
+        oom = take_out_of_memory(cfg.run_dir)
+        if unpacked is not None and oom is not None:
+            cfg, why = _fall_back(cfg, unpacked.cfg, oom, can_run, record)
+            if why:
+                return JobOutcome(result.exit_code, failures, restarts, gave_up=why)
+            resume_from = newest_checkpoint(cfg.run_dir) or unpacked.checkpoint
+            restart_fresh, unpacked = False, None
+            continue
         why = _why_not_restart(cfg.fault.max_restarts, restarts, repeated, bool(statuses))
         if why:
             add_pending_failure(cfg.run_dir, {**record, "restarted": False})
@@ -148,6 +180,13 @@ def supervise(
     return JobOutcome(1, failures, restarts, gave_up=f"more than {MAX_STEPS} MPI steps")
 
 
+def _clear_stale(run_dir: Path) -> None:
+    """Remove what a launcher that died left behind: not this run's to act on."""
+    take_request(run_dir)
+    take_out_of_memory(run_dir)
+    (run_dir / RESIZE_PHASES).unlink(missing_ok=True)
+
+
 def _why_not_restart(
     max_restarts: int, restarts: int, repeated: bool, any_rank_started: bool
 ) -> str:
@@ -160,6 +199,61 @@ def _why_not_restart(
     if not any_rank_started:
         return "no rank started, so a restart would fail the same way"
     return ""
+
+
+@dataclass(frozen=True)
+class _Unpacked:
+    """The job as it ran before a pack, and the pack's checkpoint (a fallback's start)."""
+
+    cfg: JobConfig
+    checkpoint: Path
+
+
+def _unpacked(cfg: JobConfig, request: dict[str, Any]) -> _Unpacked:
+    """The job as it ran before a pack: its stage count, on the partition it had then."""
+    from_parts = request.get("from_parts")
+    parts = [int(b) for b in from_parts] if from_parts else cfg.pipeline.partition
+    before = resized_config(cfg, cfg.pipeline.num_stages, parts) if parts else cfg
+    return _Unpacked(before, Path(request["checkpoint"]))
+
+
+def _fall_back(
+    cfg: JobConfig,
+    unpacked: JobConfig,
+    oom: dict[str, Any],
+    can_run: CanRun | None,
+    record: dict[str, Any],
+) -> tuple[JobConfig, str]:
+    """After a packed step ran out of memory: the pre-pack job (packing no further than above
+    the size that failed), or ``cfg`` and why the job stops."""
+    packed, before = cfg.pipeline.num_stages, unpacked.pipeline.num_stages
+    what = f"the packed step ({packed} stages) ran out of memory on rank {oom.get('rank')}"
+    if can_run is None or not can_run(unpacked):
+        why = (
+            f"{what}, and the nodes of the {before} stages before the pack were released, so "
+            f"it cannot fall back: resume from the newest checkpoint on {before} stages with "
+            f"elastic.min_stages={packed + 1} (or give each node more memory)"
+        )
+        log.error("%s", why)
+        add_pending_failure(cfg.run_dir, {**record, "restarted": False, "out_of_memory": oom})
+        return cfg, why
+    elastic = dataclasses.replace(
+        unpacked.elastic, min_stages=max(unpacked.elastic.min_stages, packed + 1)
+    )
+    fallback = dataclasses.replace(unpacked, elastic=elastic)
+    log.warning(
+        "%s: falling back to the %d stages before the pack on partition %s, packing no "
+        "further than %d stages",
+        what,
+        before,
+        fallback.pipeline.partition,
+        elastic.min_stages,
+    )
+    add_pending_failure(
+        cfg.run_dir,
+        {**record, "restarted": True, "fallback_stages": before, "out_of_memory": oom},
+    )
+    return fallback, ""
 
 
 def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:
@@ -175,7 +269,10 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
         request["checkpoint"],
     )
     smaller = resized_config(cfg, new_stages, parts)
-    shrink_s = shrink(smaller)
+    try:
+        shrink_s = shrink(smaller)
+    except ShrinkRefused as exc:
+        return _continue_unshrunk(cfg, request, str(exc))
     phases = {
         "from_stages": cfg.pipeline.num_stages,
         "to_stages": new_stages,
@@ -189,3 +286,29 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
     }
     atomic_write_text(cfg.run_dir / RESIZE_PHASES, json.dumps(phases, indent=1))
     return smaller
+
+
+def _continue_unshrunk(cfg: JobConfig, request: dict[str, Any], why: str) -> JobConfig:
+    """After a refused shrink: the job on the stages it had (packing off), resuming from the
+    pack's checkpoint; the refusal goes to the log now and to the run log with the next step."""
+    log.error(
+        "the shrink to %d stages was refused (%s); continuing on %d stages from %s, with packing "
+        "off for the rest of this run",
+        int(request["num_stages"]),
+        why,
+        cfg.pipeline.num_stages,
+        request["checkpoint"],
+    )
+    add_pending_event(
+        cfg.run_dir,
+        "shrink_refused",
+        {
+            "step": int(request["step"]) - 1,
+            "from_stages": cfg.pipeline.num_stages,
+            "to_stages": int(request["num_stages"]),
+            "checkpoint": str(request["checkpoint"]),
+            "message": why,
+            "unix_s": time.time(),
+        },
+    )
+    return unshrunk_config(cfg)

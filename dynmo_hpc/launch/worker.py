@@ -15,6 +15,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.handoff.oom import is_out_of_memory, record_out_of_memory
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.pipeline.trainer import Trainer
 
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(comm.rank)
     config_path = Path(args[0])
     cfg = config_mod.load(config_path)
-    Trainer(cfg, comm, config_path.parent, resume_from=resume_from, restart=restart).train()
+    try:
+        Trainer(cfg, comm, config_path.parent, resume_from=resume_from, restart=restart).train()
+    except BaseException as exc:
+        if is_out_of_memory(exc):  # the manager falls back from a pack that does not fit
+            record_out_of_memory(config_path.parent, comm.rank, exc)
+        raise
     return 0
 
 

@@ -27,15 +27,43 @@ def lr_at(step: int, train: TrainSection) -> float:
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def group_hyperparameters(train: TrainSection) -> list[dict[str, float | tuple[float, float]]]:
+    """Per parameter group (matrices, then biases / norms / 1-D tensors): weight decay and betas.
+
+    One definition for :func:`build_optimizer` and :func:`apply_hyperparameters`, so a layer
+    restored from a checkpoint trains with the job's values, not the ones saved with it.
+    """
+    betas = (train.beta1, train.beta2)
+    return [
+        {"weight_decay": train.weight_decay, "betas": betas},
+        {"weight_decay": 0.0, "betas": betas},
+    ]
+
+
 def build_optimizer(module: nn.Module, train: TrainSection) -> torch.optim.AdamW:
     """AdamW for one layer; matrices decay, biases / norms / 1-D tensors do not."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, **hyper}
+        for params, hyper in zip([decay, no_decay], group_hyperparameters(train), strict=True)
     ]
     return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=False)
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, train: TrainSection) -> None:
+    """Set the job's weight decay and betas on an optimizer whose state dict was just loaded.
+
+    Why: ``load_state_dict`` restores the param_groups saved with the checkpoint, so without
+    this a resume with another ``train.weight_decay`` or ``train.beta1/beta2`` would silently
+    keep the old values (the learning rate is set every step by :func:`set_lr`). A no-op when
+    the values are unchanged, so an unchanged resume stays bitwise exact.
+    """
+    wanted = group_hyperparameters(train)
+    if len(optimizer.param_groups) != len(wanted):
+        raise ValueError(f"{len(optimizer.param_groups)} parameter groups, expected {len(wanted)}")
+    for group, hyper in zip(optimizer.param_groups, wanted, strict=True):
+        group.update(hyper)
 
 
 def squared_grad_norm(module: nn.Module) -> float:

@@ -4,16 +4,20 @@ Layout (``<run dir>/checkpoint/``)::
 
     step_<n>/layer_0000.pt ...   one file per global layer: weights, AdamW state, scheme counters
     step_<n>/run_state.json      step, partition, balancer state, loss history, config identity
-    step_<n>/manifest.json       every file with its size and CRC-32: written last
-    latest                       "step_<n>": the newest complete checkpoint (atomically replaced)
+    step_<n>/manifest.json       every file with its size and CRC-32, and the lineage record:
+                                 written last
+    latest                       "step_<n>": the newest complete checkpoint of the current
+                                 lineage (atomically replaced)
+    lineage.json                 the current branch and where it started (:mod:`.lineage`)
+    abandoned/<branch>/step_<n>  checkpoints of a history a resume left behind (kept, unused)
 
 Why per layer: nothing in a checkpoint depends on the rank layout, so it restores onto any
 partition and any number of stages. Why a manifest written last: a checkpoint directory is
 complete exactly when its manifest exists and every file matches it; a crash while saving (or
 a disk that flipped a bit later) leaves a directory that :func:`verify` rejects, and the resume
 falls back to the previous complete checkpoint. Every file goes to a temporary name, is fsynced
-and renamed (:mod:`dynmo_hpc.atomic_io`). Old checkpoints are pruned only after a newer one is
-complete.
+and renamed, and its directory fsynced (:mod:`dynmo_hpc.atomic_io`). Old checkpoints are pruned
+only after a newer one of the same lineage is complete, and only within the lineage.
 
 The functions here touch files only; the trainer decides when to save and what goes in.
 """
@@ -24,7 +28,6 @@ import io
 import itertools
 import json
 import logging
-import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -33,17 +36,31 @@ from typing import Any
 
 import torch
 
-from dynmo_hpc.atomic_io import atomic_write_bytes, atomic_write_text
+from dynmo_hpc.atomic_io import atomic_write_bytes, atomic_write_text, fsync_dir
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.schemes import take_counters
+from dynmo_hpc.pipeline import lineage
+from dynmo_hpc.pipeline.lineage import Entry, Key, entries, lineage_entries
+from dynmo_hpc.pipeline.lineage import enter as enter
+from dynmo_hpc.pipeline.lineage import key_of as key_of
+from dynmo_hpc.pipeline.manifest import FORMAT_VERSION as FORMAT_VERSION
+from dynmo_hpc.pipeline.manifest import LATEST as LATEST
+from dynmo_hpc.pipeline.manifest import MANIFEST as MANIFEST
+from dynmo_hpc.pipeline.manifest import (
+    MANIFEST_FORMAT,
+    check_entry,
+    is_int,
+    lineage_crc,
+    read_file_bytes,
+    read_json,
+    verify,
+)
+from dynmo_hpc.pipeline.manifest import RUN_STATE as RUN_STATE
+from dynmo_hpc.pipeline.manifest import manifest_files as manifest_files
+from dynmo_hpc.pipeline.manifest import quick_problem as quick_problem
+from dynmo_hpc.pipeline.manifest import step_of as _step_of
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-"""Bumped when the layout or the files' contents change incompatibly."""
-MANIFEST = "manifest.json"
-RUN_STATE = "run_state.json"
-LATEST = "latest"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -58,17 +75,6 @@ def step_dir(root: Path, step: int) -> Path:
 
 def layer_name(index: int) -> str:
     return f"layer_{index:04d}.pt"
-
-
-_LAYER_FILE = re.compile(r"layer_\d{4,}\.pt")
-"""What :func:`layer_name` writes; a manifest naming anything else is damaged or forged."""
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith("step_") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -105,33 +111,73 @@ def write_run_state(directory: Path, state: dict[str, Any]) -> dict[str, int]:
     return write_file(directory, RUN_STATE, data)
 
 
-def commit(root: Path, step: int, files: dict[str, dict[str, int]], keep: int) -> Path:
+def commit(
+    root: Path, step: int, files: dict[str, dict[str, int]], keep: int, parent: Key | None = None
+) -> Path:
     """Complete checkpoint ``step``: write its manifest, point ``latest`` at it, prune old ones.
 
-    Called once (rank 0) after every rank has written its files. Returns the checkpoint path.
+    Called once (rank 0) after every rank has written its files. ``parent``: the checkpoint
+    this launch resumed from or wrote last (the lineage record, :mod:`.lineage`); the branch
+    comes from the root's head. The root's entries are fsynced before anything is pruned, so
+    a crash cannot leave ``latest`` or the lineage pointing at a removed checkpoint while the
+    new one's name is still not on disk. Returns the checkpoint path.
     """
     directory = step_dir(root, step)
-    manifest = {"format": FORMAT_VERSION, "step": step, "files": dict(sorted(files.items()))}
+    head = lineage.current_branch(root, parent)
+    record: dict[str, Any] = {
+        "branch": head.branch,
+        "start": head.start.to_json() if head.start else None,
+        "parent": parent.to_json() if parent else None,
+    }
+    record["crc32"] = lineage_crc(record)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": step,
+        "files": dict(sorted(files.items())),
+        "lineage": record,
+    }
     atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_dir(root)  # the step directory's own entry
     atomic_write_text(root / LATEST, directory.name + "\n")
     prune(root, keep)
     return directory
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than
-    the newest complete one (crash leftovers); returns what was deleted."""
-    complete, removed = [], []
-    for directory in sorted(_step_dirs(root), key=lambda p: _step_of(p) or 0, reverse=True):
-        if (directory / MANIFEST).is_file():
-            complete.append(directory)
-            if len(complete) > keep:
-                shutil.rmtree(directory, ignore_errors=True)
-                removed.append(directory)
-        elif complete:
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
+    """Delete all but the newest ``keep`` usable checkpoints of the current lineage, and
+    incomplete or damaged ones older than its newest usable one (crash leftovers); returns
+    what was deleted.
+
+    Usable: passes the cheap check (:func:`quick_problem`). The lineage order
+    (:func:`.lineage.choice_order`) puts a branch's start after all of the branch's own
+    checkpoints, so the checkpoint a run resumed from goes only once ``keep`` newer usable ones
+    of its branch are complete. Checkpoints outside the lineage are never deleted here.
+    """
+    found = entries(root)
+    order = [e for e in lineage.choice_order(found, lineage.read_head(root)) if _top(e)]
+    usable = [e for e in order if e.problem is None]
+    doomed = usable[keep:]
+    if usable:
+        newest = usable[0].key.step
+        leftovers = [e for e in order if e.problem is not None] + [
+            e for e in found if _top(e) and _incomplete(e) and e not in order
+        ]
+        doomed += [e for e in leftovers if e.key.step < newest]
+    removed = []
+    for entry in doomed:
+        shutil.rmtree(root / entry.key.path, ignore_errors=True)
+        removed.append(root / entry.key.path)
+    if removed:
+        fsync_dir(root)
     return removed
+
+
+def _top(entry: Entry) -> bool:
+    return "/" not in entry.key.path
+
+
+def _incomplete(entry: Entry) -> bool:
+    return entry.problem is not None and entry.problem.startswith("no manifest")
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -147,90 +193,27 @@ class Candidate:
     """None: complete and intact. Else why not (missing manifest, a file's size or checksum)."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_json(path: Path) -> tuple[Any, str | None]:
-    """(parsed JSON, None), or (None, why not): never raises for a damaged file."""
-    try:
-        return json.loads(path.read_bytes().decode()), None
-    except OSError as exc:
-        return None, f"{path.name} cannot be read ({exc.strerror or type(exc).__name__})"
-    except UnicodeDecodeError:
-        return None, f"{path.name} is not text (corrupt)"
-    except (ValueError, RecursionError):
-        return None, f"{path.name} is not valid JSON (corrupt)"
-
-
-def _manifest_problem(manifest: Any, directory: Path) -> str | None:
-    """Why a parsed manifest cannot be trusted, or None: types, file names, the step."""
-    if not isinstance(manifest, dict):
-        return "manifest.json is not a JSON object (corrupt)"
-    if manifest.get("format") != FORMAT_VERSION:
-        return f"format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}"
-    step = _step_of(directory)
-    if "step" in manifest and step is not None and manifest["step"] != step:
-        return f"manifest.json is for step {manifest['step']!r}, the directory is {directory.name}"
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return "manifest.json has no 'files' object (corrupt)"
-    for name, entry in files.items():
-        if name != RUN_STATE and not _LAYER_FILE.fullmatch(name):
-            return f"manifest.json lists {name!r}, which is no checkpoint file (corrupt)"
-        if (
-            not isinstance(entry, dict)
-            or not _is_int(entry.get("bytes"))
-            or not _is_int(entry.get("crc32"))
-        ):
-            return f"manifest.json has no integer bytes and crc32 for {name} (corrupt)"
-    if RUN_STATE not in files:
-        return "the manifest lists no run_state.json"
-    layers = sorted(int(name[6:-3]) for name in files if name != RUN_STATE)
-    if layers != list(range(len(layers))):
-        return f"the manifest lists layers {layers}, not 0..{len(layers) - 1} (corrupt)"
-    return None
-
-
-def verify(directory: Path) -> str | None:
-    """None if ``directory`` is a complete, intact checkpoint; else the first problem found.
-
-    Never raises for damaged contents: a manifest that is not JSON, of the wrong types, or that
-    names files outside the checkpoint is a problem like a failed checksum, so a resume can skip
-    the checkpoint and use an older one.
-    """
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        return "no manifest.json (the save did not finish)"
-    manifest, problem = _read_json(manifest_path)
-    problem = problem or _manifest_problem(manifest, directory)
-    if problem is not None:
-        return problem
-    for name, entry in manifest["files"].items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            return f"{name} cannot be read ({exc.strerror or type(exc).__name__})"
-        if len(data) != entry["bytes"]:
-            return f"{name} has {len(data)} bytes, the manifest says {entry['bytes']}"
-        if zlib.crc32(data) != entry["crc32"]:
-            return f"{name} fails its CRC-32 check (corrupt)"
-    return None
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None]
-
-
 def scan(root: Path) -> list[Candidate]:
-    """Every checkpoint under ``root``, newest first, each verified."""
-    dirs = sorted(_step_dirs(root), key=lambda p: _step_of(p) or 0, reverse=True)
-    return [Candidate(d, _step_of(d) or 0, verify(d)) for d in dirs]
+    """Every checkpoint under ``root``, newest first, each cheaply checked (manifest and file
+    sizes: :func:`quick_problem`; no checkpoint file is read)."""
+    return [Candidate(root / e.key.path, e.key.step, e.problem) for e in entries(root)]
+
+
+def skipped_before(chosen: Path) -> list[Candidate]:
+    """The checkpoints of the lineage that a resume from ``chosen`` passed over, each with why:
+    those ahead of it in the lineage order (:func:`.lineage.choice_order`) that fail the cheap
+    check or, passing it, their checksums. Reads files only for such newer checkpoints: none on
+    the usual resume from the newest."""
+    order = lineage_entries(chosen.parent)
+    names = [e.key.path for e in order]
+    ahead = order[: names.index(chosen.name)] if chosen.name in names else []
+    found = []
+    for entry in ahead:
+        path = chosen.parent / entry.key.path
+        problem = entry.problem or verify(path)
+        if problem is not None:
+            found.append(Candidate(path, entry.key.step, problem))
+    return found
 
 
 def _latest_problem(root: Path) -> str | None:
@@ -258,8 +241,11 @@ def resolve(path: Path) -> tuple[Candidate, list[Candidate]]:
     """The checkpoint to resume from, given a run directory, a checkpoint root or a step_<n>.
 
     For a run directory or a checkpoint root (or its ``latest`` file): the newest intact
-    checkpoint, and what was skipped (each newer damaged checkpoint, and a damaged or dangling
-    ``latest`` pointer, each with its problem). For a step directory: that one, if intact.
+    checkpoint of the run's current lineage (:mod:`.lineage`; checkpoints of abandoned branches
+    are never candidates), and what was skipped (each newer damaged checkpoint, and a damaged
+    or dangling ``latest`` pointer, each with its problem). For a step directory: that one, if
+    intact. Every candidate gets the cheap check (manifest and sizes); only the one about to be
+    chosen is read in full (checksums), so a search over N kept checkpoints reads one.
 
     Raises:
         CheckpointError: nothing intact to resume from (the message lists what was found).
@@ -281,12 +267,15 @@ def resolve(path: Path) -> tuple[Candidate, list[Candidate]]:
             )
         return candidate, []
     root = path if (path / LATEST).exists() or path.name == "checkpoint" else checkpoint_root(path)
-    candidates = scan(root)
     skipped = []
     latest_problem = _latest_problem(root)
     if latest_problem is not None:
         skipped.append(Candidate(root / LATEST, -1, latest_problem))
-    for candidate in candidates:
+    for entry in lineage_entries(root):
+        # cheap check for every candidate, checksums only for the one about to be chosen
+        candidate = Candidate(root / entry.key.path, entry.key.step, entry.problem)
+        if candidate.problem is None:
+            candidate = Candidate(candidate.path, candidate.step, verify(candidate.path))
         if candidate.problem is None:
             return candidate, skipped
         skipped.append(candidate)
@@ -304,14 +293,14 @@ def _run_state_problem(state: Any, directory: Path) -> str | None:
     if state.get("format") != FORMAT_VERSION:
         return f"format {state.get('format')!r}, this version reads {FORMAT_VERSION}"
     step, parts = state.get("step"), state.get("parts")
-    if not _is_int(step) or step < 0:
+    if not is_int(step) or step < 0:
         return f"step is {step!r}, not a step count"
     if _step_of(directory) not in (None, step):
         return f"it is for step {step}, the directory is {directory.name}"
     if (
         not isinstance(parts, list)
         or len(parts) < 2
-        or not all(_is_int(b) for b in parts)
+        or not all(is_int(b) for b in parts)
         or parts[0] != 0
         or any(a > b for a, b in itertools.pairwise(parts))
     ):
@@ -338,7 +327,7 @@ def read_run_state(directory: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is unreadable, not JSON, or lacks what a resume needs.
     """
-    state, problem = _read_json(directory / RUN_STATE)
+    state, problem = read_json(directory / RUN_STATE)
     if problem is None and (wrong := _run_state_problem(state, directory)) is not None:
         problem = f"{RUN_STATE}: {wrong}"
     if problem is not None:
@@ -350,12 +339,19 @@ def read_run_state(directory: Path) -> dict[str, Any]:
     return checked
 
 
-def load_layer(directory: Path, index: int) -> dict[str, Any]:
+def load_layer(
+    directory: Path, index: int, expected: dict[str, int] | None = None
+) -> dict[str, Any]:
     """One layer's saved weights, optimizer state and counters (tensors on the CPU).
 
+    ``expected``: the file's manifest entry; the bytes read for loading are then checked
+    against its size and CRC-32 (no second read), so a file damaged after the checkpoint was
+    chosen is still refused.
+
     Raises:
-        CheckpointError: the file is missing, not a torch file, or not this layer's payload (a
-            file that passed its CRC-32 yet fails here was written by something else).
+        CheckpointError: the file is missing, fails its check, is not a torch file, or not this
+            layer's payload (a file that passed its CRC-32 yet fails here was written by
+            something else).
     """
     path = directory / layer_name(index)
     if not path.is_file():
@@ -363,8 +359,15 @@ def load_layer(directory: Path, index: int) -> dict[str, Any]:
             f"checkpoint {directory} has no file for layer {index} ({path.name}); "
             "HINT: the checkpoint is incomplete, resume from an earlier one"
         )
+    data = read_file_bytes(path)
+    problem = check_entry(path.name, data, expected) if expected is not None else None
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {directory} cannot be resumed from: {problem}; HINT: resume from an "
+            "earlier checkpoint (pass its checkpoint/step_<n> directory to --resume)"
+        )
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged zip/pickle
         first = str(exc).split(". ")[0].splitlines()[0][:120] if str(exc) else ""
         raise CheckpointError(
@@ -388,12 +391,6 @@ def load_layer(directory: Path, index: int) -> dict[str, Any]:
 
 
 # -- compatibility ----------------------------------------------------------------------------
-
-
-def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two ``identity`` dicts (see the trainer)."""
-    keys = sorted(set(saved) | set(current))
-    return [k for k in keys if saved.get(k) != current.get(k)]
 
 
 def flatten(prefix: str, value: Any) -> dict[str, Any]:

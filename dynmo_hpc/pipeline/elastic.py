@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from dynmo_hpc.balance.packing import PackPlan, PackRequest, plan_pack
+from dynmo_hpc.balance.packing import PackPlan, PackRequest, microbatches_in_flight, plan_pack
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.pipeline import capacity
 from dynmo_hpc.pipeline.costs import LoadReport
 from dynmo_hpc.placement import ranks_per_node
 
@@ -48,30 +49,56 @@ def allocation_shape(world_size: int, num_nodes: int, device: torch.device) -> A
 
 
 def stage_capacity_bytes(cfg: JobConfig, device: torch.device, ranks_on_host: int) -> float:
-    """What one stage may hold: ``balance.capacity_bytes``, the GPU's memory, or this host's RAM
-    shared by the ranks on it."""
+    """What one stage may hold: ``balance.capacity_bytes``; on a GPU its free memory plus this
+    stage's own reserve, less a headroom; on a CPU the smallest of the RAM, ``--mem``
+    (``SLURM_MEM_PER_NODE``) and the cgroup limit, shared by the ranks on the host
+    (:mod:`dynmo_hpc.pipeline.capacity`)."""
     if cfg.balance.capacity_bytes is not None:
         return float(cfg.balance.capacity_bytes)
     if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        return capacity.device_capacity_bytes(
+            free_bytes, total_bytes, torch.cuda.memory_reserved(device)
+        )
     ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return float(ram_bytes) / max(1, ranks_on_host)
+    return capacity.host_capacity_bytes(
+        float(ram_bytes),
+        ranks_on_host,
+        slurm_mem_bytes=capacity.slurm_mem_per_node_bytes(os.environ),
+        cgroup_limit_bytes=capacity.read_cgroup_limit_bytes(),
+    )
 
 
-def layer_memory_bytes(report: LoadReport, parts: Sequence[int]) -> list[float]:
-    """Per layer: its state bytes (weights, gradients, AdamW) scaled by its stage's measured
-    peak over state, so activations and runtime overhead travel with the layers (an
-    overestimate for packing, which is the safe side)."""
+@dataclass(frozen=True)
+class LayerMemory:
+    """Per layer: the bytes it holds whatever the schedule, and per microbatch in flight."""
+
+    fixed_bytes: list[float]
+    """Weights, gradients and optimizer state."""
+    activation_bytes: list[float]
+    """The stage's measured peak over its state, per microbatch its stage held in flight,
+    shared by its layers in proportion to their state (runtime overhead included: the safe
+    side)."""
+
+
+def layer_memory(
+    report: LoadReport, parts: Sequence[int], num_microbatches: int, schedule: str
+) -> LayerMemory:
+    """Split each stage's measured peak into its layers' state and activations per microbatch
+    in flight (stage ``s`` of ``P`` held :func:`microbatches_in_flight` of them: ``P - s`` under
+    1F1B). The packing decision prices a layer at the worst stage of a candidate, stage 0."""
     state = [float(b) for b in report.layer_bytes]
-    out = list(state)
+    activations = [0.0] * len(state)
+    num_stages = len(parts) - 1
     for stage, peak in enumerate(report.peak_mem_bytes or []):
         layers = range(parts[stage], parts[stage + 1])
         stage_state = sum(state[i] for i in layers)
-        if peak > 0 and stage_state > 0:
-            scale = max(1.0, peak / stage_state)
-            for i in layers:
-                out[i] = state[i] * scale
-    return out
+        held = microbatches_in_flight(num_stages - stage, num_microbatches, schedule)
+        per_microbatch = max(0.0, float(peak) - stage_state) / max(1, held)
+        for i in layers:
+            share = state[i] / stage_state if stage_state > 0 else 1.0 / len(layers)
+            activations[i] = per_microbatch * share
+    return LayerMemory(state, activations)
 
 
 def activation_message_s(cfg: JobConfig, bandwidth_bytes_per_s: float) -> float:
@@ -104,6 +131,50 @@ def restart_overhead_s(
     return max(0.0, startup_s) + 2.0 * checkpoint_s
 
 
+@dataclass
+class PackHistory:
+    """What one packing decision hands the next, across resizes and restarts (saved in the
+    checkpoint's run state as ``pack``): without the original size every launch would judge
+    against its own and the job could ratchet down one stage at a time.
+
+    The reference itself is not carried as a number: a maximum over calibrated predictions
+    rises with every lucky (quiet-machine) measurement and would block packs for good. It is
+    recomputed at each decision as the best partition at ``original_stages`` on the current
+    smoothed costs, under the same calibration as the candidates, so their ratio is the
+    model's alone (:mod:`dynmo_hpc.balance.packing`)."""
+
+    original_stages: int
+    """The job's stage count before any pack."""
+    correction: float = 1.0
+    """Measured / predicted tokens/s of the last pack (``pack_result``), capped at 1."""
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "original_stages": self.original_stages,
+            "correction": self.correction,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None, num_stages: int) -> PackHistory:
+        """From a checkpoint's ``pack`` entry; a fresh history at ``num_stages`` when it has none
+        (a new run, or a checkpoint written before the entry existed)."""
+        if not isinstance(state, dict):
+            return cls(num_stages)
+        correction = state.get("correction")
+        return cls(
+            int(state.get("original_stages") or num_stages),
+            float(correction)
+            if isinstance(correction, int | float) and 0 < correction <= 1
+            else 1.0,
+        )
+
+    def learn(self, result: dict[str, Any] | None) -> None:
+        """Take a ``pack_result``'s measured / predicted ratio as the next correction."""
+        ratio = (result or {}).get("measured_over_predicted")
+        if isinstance(ratio, int | float) and math.isfinite(ratio) and ratio > 0:
+            self.correction = min(1.0, float(ratio))
+
+
 def decide_pack(
     cfg: JobConfig,
     report: LoadReport,
@@ -116,9 +187,11 @@ def decide_pack(
     steps_left: int,
     overhead_s: float,
     measured_step_s: float | None,
+    history: PackHistory,
 ) -> PackPlan:
     """The packing decision for this report (rank 0)."""
     el = cfg.elastic
+    memory = layer_memory(report, parts, cfg.train.num_microbatches, cfg.pipeline.schedule)
     request = PackRequest(
         num_microbatches=cfg.train.num_microbatches,
         tokens_per_step=float(cfg.tokens_per_step),
@@ -128,18 +201,23 @@ def decide_pack(
         pack_policy=el.policy,
         max_slowdown=el.max_slowdown,
         min_stages=el.min_stages,
-        memory_bytes=layer_memory_bytes(report, parts),
+        memory_bytes=memory.fixed_bytes,
+        activation_bytes=memory.activation_bytes,
+        schedule=cfg.pipeline.schedule,
         capacity_bytes=capacity_bytes,
         comm_s=activation_message_s(cfg, bandwidth_bytes_per_s),
         num_cpu_slots=shape.num_cpu_slots,
         measured_step_s=measured_step_s,
+        original_stages=history.original_stages,
+        correction=history.correction,
     )
     return plan_pack(list(costs_s), list(parts), request)
 
 
 class PackController:
-    """Rank 0's packing state over a launch: when to decide, what the last resize cost, and
-    the prediction a pack made, to log beside what was measured after it."""
+    """Rank 0's packing state over a launch: when to decide, what the last resize cost, the
+    prediction a pack made (to log beside what was measured after it), and the
+    :class:`PackHistory` carried from launch to launch."""
 
     def __init__(
         self, cfg: JobConfig, world_size: int, num_nodes: int, device: torch.device
@@ -156,6 +234,15 @@ class PackController:
         """The previous resize's measured total (from the manager's phases), once there is one."""
         self.predicted_tokens_per_s: float | None = None
         """What the pack that started this launch predicted; checked at the first report."""
+        self.history = PackHistory(cfg.pipeline.num_stages)
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Take the history a checkpoint's run state carried (its ``pack`` entry)."""
+        self.history = PackHistory.from_state(state, self.cfg.pipeline.num_stages)
+
+    def run_state(self) -> dict[str, Any]:
+        """The ``pack`` entry of a checkpoint's run state."""
+        return self.history.to_state()
 
     def consider(
         self,
@@ -192,6 +279,7 @@ class PackController:
             steps_left=steps_left,
             overhead_s=overhead_s,
             measured_step_s=measured_step_s,
+            history=self.history,
         )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.handoff.failures import take_pending_failures
+from dynmo_hpc.handoff.failures import event_kind, take_pending_failures
 from dynmo_hpc.handoff.rank_status import RankStatus
 from dynmo_hpc.pipeline.comm import host_name
 
@@ -135,10 +135,12 @@ class PhaseTracker:
 
 
 def log_failures(writer: Any, run_dir: Path) -> None:
-    """Rank 0 of a restarted step: put the failures that led here into the run log."""
+    """Rank 0 of a restarted step: put the failures that led here into the run log (and the
+    other events the launcher queued between steps, such as a refused shrink)."""
     for record in take_pending_failures(run_dir):
-        step = record.get("step")
-        writer.log_event(step=int(step) if step is not None else -1, kind="failure", detail=record)
+        kind, detail = event_kind(record)
+        step = detail.get("step")
+        writer.log_event(step=int(step) if step is not None else -1, kind=kind, detail=detail)
 
 
 def log_progress(cfg: JobConfig, result: TrainResult, step: int, loss: float, aux: float) -> None:

@@ -110,6 +110,8 @@ class LoadReporter:
         predicted, self.packer.predicted_tokens_per_s = self.packer.predicted_tokens_per_s, None
         detail = pack_result_event(predicted, self.history.tokens_per_s[self.start_step :])
         if detail is not None:
+            self.packer.history.learn(detail)
+            detail["correction"] = self.packer.history.correction
             self.writer.log_event(step=step, kind="pack_result", detail=detail)
 
     def report(self, step: int) -> None:
@@ -132,11 +134,14 @@ class LoadReporter:
         pack_target: dict[str, Any] | None = None
         if self.rank == 0:
             report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
-            plan_parts = self._record_and_decide(report)
+            self._pack_result(step)  # its correction applies to this report's decision
+            costs_s = self._record(report)
+            # One decision per report: the pack is judged against the best partition at this
+            # size (what a rebalance reaches), so only when it does not pack does the
+            # rebalancing rule decide; a pack moves the layers through its checkpoint.
             pack_target = self._consider_pack(report)
-            if pack_target is not None:
-                plan_parts = None  # the layers move through the pack's checkpoint instead
-            self._pack_result(step)
+            if pack_target is None:
+                plan_parts = self._decide(report, costs_s)
         new_parts, self.pack_target = self.comm.bcast((plan_parts, pack_target), root=0)
         self.state.num_reports += 1
         if new_parts is not None:
@@ -208,9 +213,8 @@ class LoadReporter:
             self.parts,
         )
 
-    def _record_and_decide(self, report: LoadReport) -> list[int] | None:
-        """Rank 0: write the report to the run log, smooth the costs, decide; the new partition
-        to migrate to, or None."""
+    def _record(self, report: LoadReport) -> list[float]:
+        """Rank 0: write the report to the run log and smooth the costs (returned)."""
         self.writer.log_layer_report(
             step=report.step,
             forward_s=report.forward_s,
@@ -222,7 +226,11 @@ class LoadReporter:
             parts=self.parts,
             peak_mem_bytes=report.peak_mem_bytes,
         )
-        costs_s = self.state.tracker.update(report.forward_s, report.backward_s)
+        return self.state.tracker.update(report.forward_s, report.backward_s)
+
+    def _decide(self, report: LoadReport, costs_s: list[float]) -> list[int] | None:
+        """Rank 0: the rebalancing decision on the smoothed costs; the new partition to migrate
+        to, or None."""
         if self.cfg.balance.algorithm == STATIC or report.step + 1 >= self.cfg.train.steps:
             return None  # static, or after the last step: a migration could not pay back
         plan = decide(

@@ -23,10 +23,11 @@ do not, because migration is invisible to the math.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,39 +37,110 @@ from mpi4py import MPI
 from dynmo_hpc.balance import partition, uniform
 from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config.resume_rules import (
+    KeyRule,
+    ResumeVerdict,
+    check_allowed_keys,
+    classify,
+    judge_resume,
+    refusal_message,
+)
 from dynmo_hpc.errors import CheckpointError
+from dynmo_hpc.model.optim import apply_hyperparameters
 from dynmo_hpc.model.schemes import restore_layer
 from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
 
 log = logging.getLogger(__name__)
 
-IDENTITY_SECTIONS = ("model", "schemes", "data")
-"""Config sections a checkpoint must agree with (plus ``job.seed``): they fix the math."""
+
+def config_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The whole config flattened to dotted keys, as JSON gives it back (saved in every run
+    state, so a resume can name each key that changed)."""
+    flat = checkpoint.flatten("", cfg.to_dict())
+    normalised: dict[str, Any] = json.loads(json.dumps(flat))
+    return normalised
 
 
 def identity(cfg: JobConfig) -> dict[str, Any]:
-    """The config keys that make a checkpoint's layers and data meaningful, flattened."""
-    data = cfg.to_dict()
-    out = {"job.seed": cfg.job.seed}
-    for section in IDENTITY_SECTIONS:
-        out.update(checkpoint.flatten(section, data[section]))
-    return out
+    """The keys that make a checkpoint's layers and data meaningful (:attr:`KeyRule.IDENTITY`:
+    ``job.seed``, ``model.*``, ``schemes.*``, ``data.*``), flattened."""
+    return {k: v for k, v in config_dict(cfg).items() if classify(k) is KeyRule.IDENTITY}
 
 
 def config_sha256(cfg: JobConfig) -> str:
     return hashlib.sha256(cfg.to_yaml().encode()).hexdigest()
 
 
-def check_compatible(cfg: JobConfig, state: dict[str, Any], where: Path) -> None:
-    """Refuse a checkpoint whose model, schemes, data or seed differ from the job's, and a run
-    whose run log the resumed run could not append to.
+def saved_config(cfg: JobConfig, state: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's flattened config. A checkpoint written before the whole config was
+    saved holds only its identity keys: the job's values stand in for the rest (so only
+    identity keys and ``train.steps`` below the checkpoint's step can be refused for it)."""
+    saved = state.get("config")
+    if isinstance(saved, dict):
+        return saved
+    return {**config_dict(cfg), **state.get("identity", {})}
 
-    Called by the launcher before any rank starts (``dynmo-hpc run --resume``), so a damaged
-    ``run.h5`` is reported there, in one line, instead of by rank 0 after the ranks started.
+
+def judge(
+    cfg: JobConfig, state: dict[str, Any], allowed: Collection[str] | None = None
+) -> ResumeVerdict:
+    """The resume rules (:mod:`dynmo_hpc.config.resume_rules`) applied to ``cfg`` and a run
+    state; ``allowed=None`` accepts every MATH change (the ranks: the launcher judged those)."""
+    current = config_dict(cfg)
+    return judge_resume(
+        saved_config(cfg, state),
+        current,
+        int(state["step"]),
+        set(current) if allowed is None else allowed,
+    )
+
+
+def check_compatible(
+    cfg: JobConfig, state: dict[str, Any], where: Path, allowed: Collection[str] = ()
+) -> ResumeVerdict:
+    """Refuse a checkpoint the job may not continue from (the resume rules, with ``allowed``
+    the ``--allow-change`` keys), and a run whose run log the resumed run could not append to;
+    returns the verdict (its ``accepted`` and ``passed`` changes, for the launcher to print).
+
+    Called by the launcher before any rank starts (``dynmo-hpc run --resume``, ``sbatch
+    --submit --resume``, ``submit --resume``), so a refused change or a damaged ``run.h5`` is
+    reported there, in one line, instead of by rank 0 after the ranks started.
     """
-    check_identity(cfg, state, where)
+    problem = check_allowed_keys(allowed, config_dict(cfg))
+    if problem is not None:
+        raise CheckpointError(problem)
+    verdict = check_identity(cfg, state, where, allowed)
     check_run_log(cfg.run_dir / "run.h5")
+    return verdict
+
+
+@dataclass(frozen=True)
+class ChosenCheckpoint:
+    """The checkpoint ``--resume [PATH]`` resolved to, judged against the job."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+    verdict: ResumeVerdict
+    skipped: list[checkpoint.Candidate]
+    """Newer checkpoints passed over (damaged or incomplete), each with its problem."""
+
+
+def choose_checkpoint(
+    cfg: JobConfig, path_text: str, allowed: Collection[str] = ()
+) -> ChosenCheckpoint:
+    """Resolve ``--resume [PATH]`` (empty: the job's run directory) to a verified checkpoint
+    and check it under the resume rules; the launcher's side, before any rank starts.
+
+    Raises:
+        CheckpointError: nothing intact to resume from, or a change the rules refuse.
+    """
+    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
+    state = checkpoint.read_run_state(chosen.path)
+    verdict = check_compatible(cfg, state, chosen.path, allowed)
+    return ChosenCheckpoint(chosen.path, chosen.step, state, verdict, list(skipped))
 
 
 def check_run_log(path: Path) -> None:
@@ -94,25 +166,21 @@ def check_run_log(path: Path) -> None:
         ) from None
 
 
-def check_identity(cfg: JobConfig, state: dict[str, Any], where: Path) -> None:
-    """Refuse a checkpoint whose model, schemes, data or seed differ from the job's."""
+def check_identity(
+    cfg: JobConfig, state: dict[str, Any], where: Path, allowed: Collection[str] | None = None
+) -> ResumeVerdict:
+    """Refuse a checkpoint whose model, schemes, data or seed differ from the job's, one whose
+    step is past ``train.steps``, and (with ``allowed`` given) a MATH change not allowed."""
     if state["parts"][-1] != cfg.model.num_layers:
         raise CheckpointError(
             f"checkpoint {where} holds {state['parts'][-1]} layers, the job has "
             f"{cfg.model.num_layers}; HINT: resume with the job file that wrote it"
         )
-    differing = checkpoint.incompatible_keys(state.get("identity", {}), identity(cfg))
-    if differing:
-        saved = state.get("identity", {})
-        shown = ", ".join(
-            f"{k} (checkpoint {saved.get(k)!r}, job {identity(cfg).get(k)!r})"
-            for k in differing[:6]
-        )
-        more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
-        raise CheckpointError(
-            f"checkpoint {where} does not fit this job: {shown}{more} differ; HINT: resume with "
-            "the job file that wrote it, or start a new run (another job.name, or --overwrite)"
-        )
+    verdict = judge(cfg, state, allowed)
+    message = refusal_message(verdict, str(where), int(state["step"]))
+    if message is not None:
+        raise CheckpointError(message)
+    return verdict
 
 
 def resume_partition(cfg: JobConfig, state: dict[str, Any]) -> list[int]:
@@ -151,15 +219,23 @@ def restore_layers(
 ) -> float:
     """Rebuild this rank's layers from ``directory`` (weights, AdamW, scheme state, counters).
 
-    ``pipeline_stage`` must have been built without layers. Returns the slowest rank's restore
-    time in seconds, counted from ``t0``. A rank that fails raises; under ``python -m mpi4py``
-    that aborts the job with its message.
+    ``pipeline_stage`` must have been built without layers. Each layer file is read once and
+    checked against its manifest entry (size, CRC-32) on the bytes loaded. Returns the slowest
+    rank's restore time in seconds, counted from ``t0``. A rank that fails raises; under
+    ``python -m mpi4py`` that aborts the job with its message.
     """
     stage = pipeline_stage
     cfg = stage.cfg
     slots: list[LayerSlot] = []
+    files = checkpoint.manifest_files(directory)
     for index in range(stage.parts[stage.stage], stage.parts[stage.stage + 1]):
-        payload = checkpoint.load_layer(directory, index)
+        expected = files.get(checkpoint.layer_name(index))
+        if expected is None:
+            raise CheckpointError(
+                f"checkpoint {directory}: its manifest lists no {checkpoint.layer_name(index)}; "
+                "HINT: resume from an earlier checkpoint"
+            )
+        payload = checkpoint.load_layer(directory, index, expected)
         try:
             module = restore_layer(cfg, index, payload["module"])
             checkpoint.restore_counters(module, payload.get("counters", {}))
@@ -172,6 +248,8 @@ def restore_layers(
         slot = stage.make_slot(index, module)
         try:
             slot.optimizer.load_state_dict(payload["optimizer"])
+            # The saved param_groups carry the old betas / weight decay: the job's apply.
+            apply_hyperparameters(slot.optimizer, cfg.train)
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
                 f"{directory / checkpoint.layer_name(index)}: optimizer state does not fit the "
@@ -190,6 +268,7 @@ def save(
     keep: int,
     run_state: dict[str, Any] | None,
     after_files: Callable[[], None] | None = None,
+    parent: Key | None = None,
 ) -> tuple[Path, float, int]:
     """Write checkpoint ``step`` collectively; returns (its path, seconds, bytes written).
 
@@ -197,6 +276,8 @@ def save(
     then writes the run state and the manifest, last, so the checkpoint is complete only once
     every file is. A stale directory of the same step (a replay after a crash) is replaced.
     ``after_files`` runs once this rank's layer files are written (fault injection).
+    ``parent`` (rank 0): the checkpoint this launch resumed from or wrote last, for the lineage
+    record (:mod:`.lineage`).
     """
     t0 = time.perf_counter()
     root = checkpoint.checkpoint_root(run_dir)
@@ -217,7 +298,7 @@ def save(
         assert run_state is not None, "rank 0 writes the run state"
         merged = {name: entry for part in gathered for name, entry in part.items()}
         merged[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, run_state)
-        checkpoint.commit(root, step, merged, keep)
+        checkpoint.commit(root, step, merged, keep, parent)
         num_bytes = sum(entry["bytes"] for entry in merged.values())
     else:
         num_bytes = 0
@@ -226,10 +307,12 @@ def save(
 
 
 def checked_resume_dir(cfg: JobConfig, path: Path) -> tuple[Path, dict[str, Any]]:
-    """Verify ``path`` (a ``step_<n>`` directory) and its fit to ``cfg``; returns it and its
-    run state. Used by the ranks, so a checkpoint damaged after the launcher chose it is still
-    refused with a clear error."""
-    problem = checkpoint.verify(path)
+    """Check ``path`` (a ``step_<n>`` directory) and its fit to ``cfg``; returns it and its
+    run state. Used by rank 0, so a checkpoint damaged after the launcher chose it is still
+    refused with a clear error: the cheap check (manifest, file sizes) and the run state's
+    CRC-32 here; each layer file's CRC-32 as its rank loads it (:func:`restore_layers`), so no
+    file is read twice on the ranks."""
+    problem = checkpoint.verify(path, only=(checkpoint.RUN_STATE,))
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be resumed from: {problem}")
     state = checkpoint.read_run_state(path)

@@ -33,9 +33,10 @@ from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases, write_request
+from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
-from dynmo_hpc.pipeline import checkpoint, resume
+from dynmo_hpc.pipeline import checkpoint, restart_events, resume
 from dynmo_hpc.pipeline.ab import ab_arm, wall_s_per_cpu_s
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
@@ -51,6 +52,7 @@ from dynmo_hpc.pipeline.lifecycle import (
     log_failures,
     log_progress,
 )
+from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
 from dynmo_hpc.pipeline.migration import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
@@ -154,11 +156,21 @@ class Trainer:
             self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
         self.result = _restored_history(state)
         self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
+        self.packer.restore(state.get("pack") if state else None)
         self.reporter = self._build_reporter(parts, state)
         self.last_checkpoint_monotonic = time.monotonic()
+        self.lineage_parent = self._lineage_key(resume_from)
+        """Rank 0: the checkpoint this launch resumed from or wrote last (lineage record)."""
+        self.signal_budget_checked = False
         self.writer: Any = None
         if self.rank == 0:
             self._start_rank0_log(resume_from, state, restore_s, restart=restart)
+
+    def _lineage_key(self, directory: Path | None) -> Key | None:
+        """Rank 0: ``directory``'s lineage key (its manifest only), or None."""
+        if directory is None or self.rank != 0:
+            return None
+        return checkpoint.key_of(checkpoint.checkpoint_root(self.run_dir), directory)
 
     def _build_stage(self, parts: list[int], build_layers: bool) -> PipelineStage:
         """This rank's stage on ``parts``, linked to its neighbours (layers built unless they
@@ -223,8 +235,6 @@ class Trainer:
                 "parts": self.parts,
                 "saved_parts": state["parts"],
             }
-        elif restart:
-            restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
             log.info(
                 "resumed from %s (step %d) in %.2f s on partition %s",
                 resume_from,
@@ -232,11 +242,18 @@ class Trainer:
                 restore_s,
                 self.parts,
             )
+        elif restart:
+            restart_info = {"checkpoint": None, "checkpoint_step": 0, "parts": self.parts}
+            log.info(
+                "restarted from the beginning (no complete checkpoint yet) on partition %s",
+                self.parts,
+            )
         self.writer = self._open_runlog(restart_info)
         self.reporter.writer = self.writer
         log_failures(self.writer, self.run_dir)
-        if resume_from is not None:
-            self._log_skipped_checkpoints(resume_from)
+        if resume_from is not None and state is not None:
+            restart_events.log_skipped_checkpoints(self.writer, resume_from, self.start_step)
+            restart_events.log_config_changes(self.writer, self.cfg, state, self.start_step)
         launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             self.packer.startup_s = time.time() - launched_unix_s
@@ -265,18 +282,6 @@ class Trainer:
             redo_from_step=self.start_step if restart is not None else None,
             restart_detail=restart,
         )
-
-    def _log_skipped_checkpoints(self, chosen: Path) -> None:
-        """Warn (log and run log) about newer checkpoints that were damaged or incomplete."""
-        chosen_step = int(chosen.name.removeprefix("step_"))
-        for candidate in checkpoint.scan(chosen.parent):
-            if candidate.step > chosen_step and candidate.problem is not None:
-                log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)
-                self.writer.log_event(
-                    step=self.start_step,
-                    kind="checkpoint_skipped",
-                    detail={"path": str(candidate.path), "problem": candidate.problem},
-                )
 
     def _log_resize(self, restore_s: float) -> None:
         """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
@@ -511,6 +516,7 @@ class Trainer:
             "num_layers": cfg.model.num_layers,
             "identity": resume.identity(cfg),
             "config_sha256": resume.config_sha256(cfg),
+            "config": resume.config_dict(cfg),
             "data": {"next_step": step, "batches": "pure function of (job.seed, step, microbatch)"},
             "lr_schedule": {"next_step": step, "next_lr": lr_at(step, cfg.train)},
             "rng": {"seed": cfg.job.seed, "stateful_generators": []},
@@ -523,12 +529,29 @@ class Trainer:
                 if math.isfinite(report.bandwidth_bytes_per_s)
                 else None,
             },
+            "pack": self.packer.run_state(),
             "history": {
                 "losses": self.result.losses,
                 "tokens_per_s": self.result.tokens_per_s,
                 "step_time_s": self.result.step_time_s,
             },
         }
+
+    def _check_signal_budget(self, step: int, checkpoint_s: float) -> None:
+        """Rank 0, at this launch's first checkpoint: warn (log and run log) when a step plus a
+        checkpoint do not fit in ``slurm.signal_delay_s``
+        (:mod:`dynmo_hpc.handoff.signal_budget`)."""
+        if self.signal_budget_checked:
+            return
+        budget = measured_budget(
+            self.result.step_time_s, [checkpoint_s], self.cfg.slurm.signal_delay_s
+        )
+        if budget is None:
+            return
+        self.signal_budget_checked = True
+        if not budget.fits():
+            log.warning("%s", budget.problem())
+            self.writer.log_event(step=step, kind="signal_budget", detail=budget.to_event())
 
     def save_checkpoint(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
@@ -542,8 +565,10 @@ class Trainer:
             self.cfg.checkpoint.keep,
             state,
             after_files=self.faults.hook("checkpoint", step - 1),
+            parent=self.lineage_parent,
         )
         self.last_checkpoint_monotonic = time.monotonic()
+        self.lineage_parent = self._lineage_key(directory)
         if self.rank == 0:
             self.packer.last_checkpoint_s = seconds
             self.writer.log_event(
@@ -556,6 +581,7 @@ class Trainer:
                     "bytes": num_bytes,
                 },
             )
+            self._check_signal_budget(step - 1, seconds)
             self.writer.flush()
             log.info(
                 "checkpoint step %d: %.1f MB in %.2f s -> %s",

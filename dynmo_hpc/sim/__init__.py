@@ -9,6 +9,8 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
 - :mod:`~dynmo_hpc.sim.replay`: a run's cost traces replayed under a balancing algorithm.
 - :mod:`~dynmo_hpc.sim.machine`: the calibrated terms beyond layer compute (overheads, link,
   wall seconds per CPU second) and their JSON file;
+- :mod:`~dynmo_hpc.sim.cost_model`: a layer's forward and backward FLOPs and bytes from its
+  shape and its scheme state, and their seconds at a machine's rates;
 - :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead
   constants fitted from such splits.
 """

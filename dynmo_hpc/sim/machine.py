@@ -55,6 +55,32 @@ class Overheads:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayerRates:
+    """What one rank of the machine does per second, for :mod:`dynmo_hpc.sim.cost_model`.
+
+    A layer pass costs ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``: additive
+    rather than a roofline maximum, so that the three constants are a linear least-squares fit
+    on measured per-layer costs (on a CPU running small layers neither term dominates).
+    """
+
+    flops_per_s: float
+    """Sustained matmul FLOP/s of one rank (a multiply-add is 2 FLOPs)."""
+    bytes_per_s: float
+    """Sustained memory bytes per second of one rank."""
+    overhead_s: float = 0.0
+    """Seconds per layer per pass (forward or backward): Python, dispatch, kernel launches."""
+
+    def check(self) -> None:
+        """Raise ValueError unless both rates are finite and > 0 and the overhead >= 0."""
+        for name in ("flops_per_s", "bytes_per_s"):
+            value = getattr(self, name)
+            _non_negative(name, value)
+            if value == 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        _non_negative("overhead_s", self.overhead_s)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MachineModel:
     """A calibration file: the overheads, the link, and optionally a wall-per-CPU ratio and the
     number of cores the ranks share."""
@@ -72,12 +98,17 @@ class MachineModel:
     poll_max_s: float | None = None
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`);
     None: inputs are noticed at once."""
+    layer_rates: LayerRates | None = None
+    """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
+    ``layer_overhead_s``, given together); None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
     def check(self) -> None:
         """Raise ValueError on a value no machine could have."""
         self.overheads.check()
+        if self.layer_rates is not None:
+            self.layer_rates.check()
         for name in ("latency_s", "poll_max_s"):
             value = getattr(self, name)
             if value is not None:
@@ -101,6 +132,9 @@ class MachineModel:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.layer_rates is not None:
+            for key, attr in _RATE_KEYS.items():
+                out[key] = getattr(self.layer_rates, attr)
         return out
 
 
@@ -109,6 +143,11 @@ _OVERHEAD_KEYS = {
     "optimizer_s_per_param": "optimizer_s_per_param",
     "step_overhead_s": "step_s",
     "report_overhead_s": "report_s",
+}
+_RATE_KEYS = {
+    "layer_flops_per_s": "flops_per_s",
+    "layer_bytes_per_s": "bytes_per_s",
+    "layer_overhead_s": "overhead_s",
 }
 _OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "poll_max_s")
 
@@ -134,7 +173,7 @@ def machine_from_json(data: object) -> MachineModel:
     """
     if not isinstance(data, dict):
         raise ValueError(f"a machine file holds one JSON object, not {type(data).__name__}")
-    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, "notes"}
+    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, "notes"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown machine key(s) {', '.join(unknown)}; known: {sorted(known)}")
@@ -146,9 +185,32 @@ def machine_from_json(data: object) -> MachineModel:
     notes = data.get("notes")
     if notes is not None and not isinstance(notes, dict):
         raise ValueError("notes must be a JSON object")
-    model = MachineModel(overheads=overheads, notes=notes, **optional)
+    model = MachineModel(
+        overheads=overheads, layer_rates=_layer_rates(data), notes=notes, **optional
+    )
     model.check()
     return model
+
+
+def _layer_rates(data: dict[str, Any]) -> LayerRates | None:
+    """The three ``layer_*`` keys as :class:`LayerRates`; None when none is given; ValueError
+    when only some are (a missing rate cannot default to anything meaningful)."""
+    given = [key for key in _RATE_KEYS if key in data]
+    if not given:
+        return None
+    missing = [key for key in _RATE_KEYS if key not in data]
+    if missing:
+        raise ValueError(
+            f"machine file gives {', '.join(given)} but not {', '.join(missing)}; "
+            "HINT: the per-layer cost model needs all three layer_* keys"
+        )
+    rates = LayerRates(**{attr: _number(key, data[key]) for key, attr in _RATE_KEYS.items()})
+    for key, attr in _RATE_KEYS.items():
+        value = getattr(rates, attr)
+        _non_negative(key, value)
+        if value == 0 and key != "layer_overhead_s":
+            raise ValueError(f"{key}={value!r} must be > 0")
+    return rates
 
 
 def load_machine(path: Path) -> MachineModel:

@@ -376,14 +376,16 @@ def _rebalance(
 
 def _pack(
     timeline: _Timeline, report: CostReport, costs_s: list[float], setup: ReplaySetup
-) -> None:
+) -> bool:
     """The trainer's packing decision at this report; a pack runs from the next step, the
-    restart overhead charged to this one."""
+    restart overhead charged to this one. Whether it packed."""
     pack = _plan_pack(costs_s, timeline.parts, report, setup, timeline.steps_left)
-    if pack is not None:
-        timeline.parts = pack
-        timeline.packs += 1
-        timeline.charge_report_step(setup.packing.restart_overhead_s)
+    if pack is None:
+        return False
+    timeline.parts = pack
+    timeline.packs += 1
+    timeline.charge_report_step(setup.packing.restart_overhead_s)
+    return True
 
 
 def replay(
@@ -417,11 +419,13 @@ def replay(
         report = reports[min(report_index, len(reports) - 1)]
         _run_interval(timeline, report, report_index < len(reports), setup)
         costs_s = tracker.update(report.forward_s, report.backward_s)
-        if rebalances and timeline.steps_left > 0:
-            _rebalance(timeline, balance, report, costs_s, report_index, setup)
+        # One decision per report, as in the trainer: the pack first (judged against the
+        # rebalanced partition), the rebalancing rule only when it did not pack.
         packing_due = (report_index + 1) % setup.packing.interval == 0
-        if packing and packing_due and timeline.steps_left > 0:
-            _pack(timeline, report, costs_s, setup)
+        packed = packing and packing_due and timeline.steps_left > 0
+        packed = packed and _pack(timeline, report, costs_s, setup)
+        if rebalances and not packed and timeline.steps_left > 0:
+            _rebalance(timeline, balance, report, costs_s, report_index, setup)
         report_index += 1
         if progress is not None:
             progress(len(timeline.step_times_s), num_steps)
@@ -455,6 +459,7 @@ def _plan_pack(
         comm_s=setup.comm_s,
         num_cpu_slots=None if setup.cores is None else max(1, int(setup.cores)),
         measured_step_s=measured_s,
+        original_stages=setup.num_stages,
     )
     plan = plan_pack(costs_s, parts, request)
     return list(plan.chosen.parts) if plan.pack else None

@@ -6,7 +6,13 @@ batch script, while the job holds all its nodes). It checks the allocation again
 rank per pipeline stage), writes the resolved config into the run directory, and starts the ranks
 as one MPI step over the allocation (``srun --mpi=pmix`` by default, or the venv's ``mpirun``;
 see docs/slurm.md). SIGUSR2 (SLURM's warning before the time limit or a preemption) and SIGTERM
-are forwarded to the step and recorded.
+are caught for the manager's whole run: forwarded to the step while one runs, and between steps
+(a shrink, a checkpoint search) they stop the job before the next step starts, the same way.
+
+The error paths keep a healthy job (docs/elastic.md, "SLURM error paths"): a refused shrink
+continues at the current size, a relaunch that starts no rank after a resize is tried once more,
+and a requeued packed job that SLURM hands its original node count releases the nodes its
+packed config does not need.
 
 The manager is a separate process from the ranks because an MPI step cannot release a node
 while it runs (SLURM kills a step's tasks on a released node): only a process outside the step
@@ -15,20 +21,25 @@ can end it and start another.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.packing import nodes_for
-from dynmo_hpc.errors import ConfigError, LaunchError
+from dynmo_hpc.errors import ConfigError, LaunchError, SubmitError
+from dynmo_hpc.handoff import rank_status
 from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
+from dynmo_hpc.handoff.resize import ShrinkRefused
 from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.local import worker_argv
 from dynmo_hpc.launch.rundir import lock_run_dir
@@ -43,7 +54,7 @@ from dynmo_hpc.launch.supervisor import (
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.placement import ranks_per_node
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
-from dynmo_hpc.slurm.resize import nodes_to_keep, resized_env, shrink_job
+from dynmo_hpc.slurm.resize import nodes_after_release, resized_env, shrink_job
 from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env
 
 log = logging.getLogger(__name__)
@@ -68,17 +79,30 @@ def check_allocation(cfg: config_mod.JobConfig, environ: dict[str, str] | None =
 
 
 class ActiveStep:
-    """The MPI step running now (if any) and the stop signal it was sent: shared between the
-    manager's loop and the signal handlers (ours, or submitit's ``checkpoint()``)."""
+    """The MPI step running now (if any) and the stop signal the job got: shared between the
+    manager's loop and the signal handlers (ours, or submitit's ``checkpoint()``).
+
+    ``stop_signal`` stays set for the rest of the manager's run: a signal that arrives between
+    steps keeps the next step from starting (:func:`_run_step`).
+    """
 
     step: StepProcess | None = None
     stop_signal: int = 0
+    forwarded: bool = False
+    """The running step was sent ``stop_signal``."""
+
+    @classmethod
+    def reset(cls) -> None:
+        """A new manager run: no step, no signal yet."""
+        cls.step, cls.stop_signal, cls.forwarded = None, 0, False
 
     @classmethod
     def stop(cls, signum: int) -> None:
-        """Ask the running step to checkpoint at its next step boundary and end."""
+        """Ask the running step to checkpoint at its next step boundary and end; with no step
+        running, keep the next one from starting."""
         cls.stop_signal = signum
         if cls.step is not None:
+            cls.forwarded = True
             cls.step.send(signum)
 
     @classmethod
@@ -106,6 +130,7 @@ def run_manager(
     launcher: str | None = None,
     loopback_only: bool | None = None,
     resume: bool | None = None,
+    resume_path: str | Path | None = None,
     handle_preemption: bool = True,
 ) -> JobOutcome:
     """Run the job's training as MPI steps in the current allocation; returns how it ended.
@@ -116,16 +141,34 @@ def run_manager(
     (:func:`~dynmo_hpc.launch.supervisor.supervise`).
 
     ``resume``: continue from the run's newest complete checkpoint (from the start, appending to
-    the run log, when there is none); None: when SLURM has requeued the job. With
-    ``handle_preemption`` the manager catches SIGUSR2 and SIGTERM itself and passes them to the
-    step; a submitit job leaves SIGUSR2 to submitit, whose handler calls
-    :meth:`dynmo_hpc.slurm.requeue.ManagerJob.checkpoint`.
+    the run log, when there is none); None: when SLURM has requeued the job. ``resume_path``:
+    the checkpoint the job's first run continues from (``sbatch|submit --resume``, checked on
+    the submit host); a requeued run ignores it and continues from the newest. With
+    ``handle_preemption`` the manager catches SIGUSR2 and SIGTERM itself for its whole run and
+    passes them to the step (between steps: no further step starts); a submitit job leaves
+    SIGUSR2 to submitit, whose handler calls :meth:`dynmo_hpc.slurm.requeue.ManagerJob.checkpoint`.
     """
     if not in_slurm_job():
         raise LaunchError(
             "dynmo_hpc.slurm.manager runs inside a SLURM allocation (no SLURM_JOB_ID here); "
             "HINT: use `dynmo-hpc run JOB.yaml` for local ranks, or `dynmo-hpc submit JOB.yaml`"
         )
+    ActiveStep.reset()
+    with _stop_signals_caught(handle_preemption):
+        return _run_in_allocation(
+            config_path, overrides, launcher, loopback_only, resume, resume_path
+        )
+
+
+def _run_in_allocation(
+    config_path: str | Path,
+    overrides: list[str] | None,
+    launcher: str | None,
+    loopback_only: bool | None,
+    resume: bool | None,
+    resume_path: str | Path | None,
+) -> JobOutcome:
+    """:func:`run_manager` once its signal handlers are in place."""
     cfg = config_mod.load(config_path, overrides)
     slots = check_allocation(cfg)
     # On the node itself: its data path, run directory and device (the submit host checked
@@ -143,11 +186,13 @@ def run_manager(
         ranks_per_node=ranks_per_node(
             cfg.pipeline.num_stages, first.num_nodes, first.tasks_per_node
         ),
-        handle_preemption=handle_preemption,
     )
-    resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id)
+    resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id, resume_path)
     t0 = time.perf_counter()
     with lock_run_dir(cfg.run_dir):
+        if resume:
+            # A requeued packed job may get its original --nodes back: keep only what it needs.
+            steps.release_surplus(cfg)
         outcome = supervise(
             cfg,
             steps.run_step,
@@ -160,10 +205,13 @@ def run_manager(
 
 
 def _starting_checkpoint(
-    run_dir: Path, resume: bool | None, job_id: int
+    run_dir: Path, resume: bool | None, job_id: int, resume_path: str | Path | None = None
 ) -> tuple[bool, Path | None]:
     """Whether the job continues (``resume``, or None: when SLURM requeued it) and from which
-    checkpoint (None: from the beginning, appending to the run log)."""
+    checkpoint (None: from the beginning, appending to the run log). ``resume_path`` names it
+    for a first run; a requeued run has written newer checkpoints, so it takes the newest."""
+    if resume_path is not None and requeue_count() == 0 and resume is not True:
+        return True, Path(resume_path)
     if resume is None:
         resume = requeue_count() > 0
     resume_from = newest_checkpoint(run_dir) if resume else None
@@ -177,7 +225,23 @@ def _starting_checkpoint(
     return resume, resume_from
 
 
-@dataclass(frozen=True)
+def retry_relaunch(after_resize: bool, result: StepResult, any_rank_started: bool) -> bool:
+    """Whether to start a failed step once more, at once: only the first step after a resize
+    that failed before any rank started (no rank status file). That is what a launch racing the
+    scheduler's view of the shrunk allocation looks like; a second failure is not transient.
+
+    Example:
+        >>> retry_relaunch(True, StepResult(1), any_rank_started=False)
+        True
+        >>> retry_relaunch(True, StepResult(1), any_rank_started=True)
+        False
+    """
+    return (
+        after_resize and result.exit_code != 0 and not result.interrupted and not any_rank_started
+    )
+
+
+@dataclass
 class _AllocationSteps:
     """How this manager starts MPI steps in its allocation, and shrinks it for a pack."""
 
@@ -186,9 +250,34 @@ class _AllocationSteps:
     slots: int
     """Task slots in the allocation as first held."""
     ranks_per_node: int
-    handle_preemption: bool
+    resized: bool = False
+    """A resize (a shrink, or a refused one) came since the last step started."""
 
     def run_step(self, step_cfg: config_mod.JobConfig, launch: StepLaunch) -> StepResult:
+        """Start one MPI step of ``step_cfg``; after a resize, once more if no rank started."""
+        after_resize, self.resized = self.resized, False
+        result = self._start(step_cfg, launch)
+        started = bool(rank_status.read_all(step_cfg.run_dir))
+        if not retry_relaunch(after_resize, result, started):
+            return result
+        log.warning(
+            "the step after the resize started no rank (exit code %d); relaunching it once: %s",
+            result.exit_code,
+            result.output_tail.strip()[-500:] or "no launcher output",
+        )
+        rank_status.clear(step_cfg.run_dir)
+        result = self._start(step_cfg, launch)
+        if result.exit_code != 0 and not rank_status.read_all(step_cfg.run_dir):
+            log.error(
+                "the relaunch after the resize started no rank twice (exit code %d); the job "
+                "stops with its checkpoint %s. HINT: the launcher's output is in this job's "
+                "stderr log; continue the job by submitting it again with its checkpoint",
+                result.exit_code,
+                launch.resume_from,
+            )
+        return result
+
+    def _start(self, step_cfg: config_mod.JobConfig, launch: StepLaunch) -> StepResult:
         """Start one MPI step of ``step_cfg`` on the nodes it needs and wait for it."""
         held = read_slurm_env()
         num_stages = step_cfg.pipeline.num_stages
@@ -214,16 +303,35 @@ class _AllocationSteps:
             held.num_nodes,
             " ".join(argv),
         )
-        return _run_step(argv, env, self.handle_preemption)
+        return _run_step(argv, env)
 
     def shrink(self, smaller: config_mod.JobConfig) -> float:
-        """Release the nodes ``smaller`` does not need (keeping this one); the seconds taken."""
+        """Release the nodes ``smaller`` does not need (keeping this one); the seconds taken.
+
+        Raises:
+            ShrinkRefused: SLURM refused; the job still holds every node.
+        """
+        self.resized = True
+        return self._release(smaller)
+
+    def release_surplus(self, cfg: config_mod.JobConfig) -> None:
+        """At the start of a resumed job: give back the nodes ``cfg`` does not need (a packed
+        job that SLURM requeued with its original node count); a refusal only costs nodes."""
+        try:
+            self._release(cfg)
+        except ShrinkRefused as exc:
+            log.warning("could not release the nodes this job does not need: %s", exc)
+
+    def _release(self, cfg: config_mod.JobConfig) -> float:
         held = read_slurm_env()
-        needed = nodes_for(smaller.pipeline.num_stages, self.ranks_per_node)
-        if needed >= held.num_nodes:
+        needed = nodes_for(cfg.pipeline.num_stages, self.ranks_per_node)
+        kept = nodes_after_release(held.node_list, held.node_name, needed)
+        if kept is None:
             return 0.0
-        kept = nodes_to_keep(held.node_list, held.node_name or held.node_list[0], needed)
-        seconds = shrink_job(held.job_id, kept, smaller.run_dir)
+        try:
+            seconds = shrink_job(held.job_id, kept, cfg.run_dir)
+        except SubmitError as exc:
+            raise ShrinkRefused(str(exc)) from None
         for name, value in resized_env(os.environ, kept).items():
             if value is None:
                 os.environ.pop(name, None)
@@ -264,18 +372,48 @@ def _log_outcome(outcome: JobOutcome, elapsed_s: float, run_dir: Path) -> None:
         )
 
 
-def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> StepResult:
-    """Run one MPI step; with ``handle_preemption``, SIGUSR2/SIGTERM go on to it."""
-    step = StepProcess(argv, env)
-    ActiveStep.step = step
-    ActiveStep.stop_signal = 0
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+"""SLURM's warning before the time limit or a preemption, and a plain stop."""
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        log.warning("received signal %d; passing it to the training step", signum)
+
+@contextlib.contextmanager
+def _stop_signals_caught(enabled: bool) -> Iterator[None]:
+    """While the manager runs, SIGUSR2/SIGTERM go to the running step, or, between steps, keep
+    the next one from starting: either way the job stops with its newest checkpoint (and is
+    requeued on SIGUSR2) instead of the manager dying mid-shrink or mid-search."""
+    if not enabled:
+        yield
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if ActiveStep.step is not None:
+            log.warning("received signal %d; passing it to the training step", signum)
+        else:
+            log.warning(
+                "received signal %d between MPI steps; no further step starts, the job stops "
+                "with its newest checkpoint",
+                signum,
+            )
         ActiveStep.stop(signum)
 
-    signals = (signal.SIGUSR2, signal.SIGTERM) if handle_preemption else ()
-    previous = {s: signal.signal(s, forward) for s in signals}
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_step(argv: list[str], env: dict[str, str]) -> StepResult:
+    """Run one MPI step, unless a stop signal came first (then none starts)."""
+    if ActiveStep.stop_signal:
+        log.warning("not starting the next step: signal %d arrived", ActiveStep.stop_signal)
+        return StepResult(0, "", interrupted=ActiveStep.stop_signal)
+    step = StepProcess(argv, env)
+    ActiveStep.forwarded = False
+    ActiveStep.step = step
+    if ActiveStep.stop_signal and not ActiveStep.forwarded:  # came while the step started
+        ActiveStep.stop(ActiveStep.stop_signal)
     try:
         rc = step.wait()
     except BaseException:
@@ -283,12 +421,20 @@ def _run_step(argv: list[str], env: dict[str, str], handle_preemption: bool) -> 
         raise
     finally:
         ActiveStep.step = None
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return StepResult(rc, step.tail(), interrupted=ActiveStep.stop_signal)
 
 
-def requeue(job_id: str | int) -> bool:
+CONTINUE_GENERIC = "dynmo-hpc sbatch <its run directory>/config.yaml --submit --resume"
+"""The command that continues a run, when its config path is not known."""
+
+
+def continue_command(config_path: str | Path) -> str:
+    """The command that continues this run on the cluster from its newest checkpoint: the
+    resolved ``config.yaml`` in the run directory holds every ``--set`` already."""
+    return f"dynmo-hpc sbatch {shlex.quote(str(config_path))} --submit --resume"
+
+
+def requeue(job_id: str | int, config_path: str | Path | None = None) -> bool:
     """``scontrol requeue``: SLURM ends this run of the job and queues it again; False (logged)
     when SLURM refused (e.g. a job submitted with ``--no-requeue``)."""
     try:
@@ -303,11 +449,13 @@ def requeue(job_id: str | int) -> bool:
         log.error("cannot requeue job %s: %s", job_id, exc)
         return False
     if out.returncode != 0:
+        hint = continue_command(config_path) if config_path is not None else CONTINUE_GENERIC
         log.error(
-            "scontrol requeue %s failed: %s; HINT: submit the job again; it resumes from its "
-            "newest checkpoint (dynmo-hpc sbatch/submit ... --set ... and --resume locally)",
+            "scontrol requeue %s failed: %s; HINT: the run continues from its newest checkpoint "
+            "with: %s",
             job_id,
             (out.stderr or out.stdout).strip(),
+            hint,
         )
         return False
     return True
@@ -318,12 +466,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     if not args:
         print(
-            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [section.key=value ...]",
+            "usage: python -m dynmo_hpc.slurm.manager JOB.yaml [--resume CHECKPOINT_DIR] "
+            "[section.key=value ...]",
             file=sys.stderr,
         )
         return 2
+    config_path, rest = args[0], args[1:]
+    resume_path = None
+    if rest[:1] == ["--resume"] and len(rest) >= 2:
+        resume_path, rest = rest[1], rest[2:]
     try:
-        outcome = run_manager(args[0], args[1:])
+        outcome = run_manager(config_path, rest, resume_path=resume_path)
     except (ConfigError, LaunchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -332,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         # run again from there (the template asks for --requeue).
         job_id = read_slurm_env().job_id
         log.warning("requeueing job %s; it will resume from its newest checkpoint", job_id)
-        return 0 if requeue(job_id) else 1
+        return 0 if requeue(job_id, config_path) else 1
     return outcome.exit_code
 
 

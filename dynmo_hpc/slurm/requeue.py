@@ -28,12 +28,18 @@ class ManagerJob:
     """The submitit callable: ``ManagerJob()(config_path, launcher, loopback_only)``."""
 
     def __call__(
-        self, config_path: str, launcher: str, loopback_only: bool, resume: bool | None = None
+        self,
+        config_path: str,
+        launcher: str,
+        loopback_only: bool,
+        resume: bool | None = None,
+        resume_path: str | None = None,
     ) -> dict[str, Any]:
         """Run the manager once in the batch script; returns rank 0's ``result.json``.
 
         Raising on a failed job makes it FAILED in SLURM (submitit exits non-zero), so sacct and
-        ``job.state`` tell the truth.
+        ``job.state`` tell the truth. ``resume_path``: the checkpoint the first run continues
+        from (``submit --resume``); a requeued run continues from the newest.
         """
         setup_logging(0)
         outcome = run_manager(
@@ -41,6 +47,7 @@ class ManagerJob:
             launcher=launcher,
             loopback_only=loopback_only,
             resume=resume,
+            resume_path=resume_path,
             handle_preemption=False,
         )
         run_dir = Path(config_path).parent
@@ -57,7 +64,12 @@ class ManagerJob:
         return result
 
     def checkpoint(
-        self, config_path: str, launcher: str, loopback_only: bool, resume: bool | None = None
+        self,
+        config_path: str,
+        launcher: str,
+        loopback_only: bool,
+        resume: bool | None = None,
+        resume_path: str | None = None,
     ) -> Any:
         """submitit's preemption hook: checkpoint the running step, then resubmit resuming."""
         import submitit

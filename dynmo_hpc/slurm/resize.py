@@ -42,6 +42,23 @@ def nodes_to_keep(node_list: Sequence[str], own_node: str | None, num_nodes: int
     return [node for node in node_list if node in keep]
 
 
+def nodes_after_release(
+    node_list: Sequence[str], own_node: str | None, needed: int
+) -> list[str] | None:
+    """The nodes to keep when a job on ``node_list`` needs only ``needed`` of them (the
+    manager's own node among them), or None when it needs them all: nothing to release.
+
+    Example:
+        >>> nodes_after_release(["node1", "node2", "node3", "node4"], "node1", 2)
+        ['node1', 'node2']
+        >>> nodes_after_release(["node1", "node2"], "node1", 2) is None
+        True
+    """
+    if needed >= len(node_list):
+        return None
+    return nodes_to_keep(node_list, own_node or node_list[0], max(1, needed))
+
+
 def compress_counts(counts: Sequence[int]) -> str:
     """SLURM's per-node count syntax: ``[2, 2, 2, 1]`` -> ``"2(x3),1"``."""
     items: list[str] = []

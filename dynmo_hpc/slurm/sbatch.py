@@ -67,6 +67,7 @@ def render_sbatch(
     mpi_loopback_only: bool = False,
     python: str = "python",
     extra_sbatch: Sequence[str] = (),
+    resume_from: str | None = None,
 ) -> str:
     """The sbatch script that runs ``python -m dynmo_hpc.slurm.manager CONFIG`` in the allocation.
 
@@ -94,6 +95,9 @@ def render_sbatch(
             all share one host (the test cluster, ``scripts/slurm_cluster.sh``), False elsewhere.
         python: the interpreter that runs the manager, after activation.
         extra_sbatch: more ``#SBATCH`` lines, verbatim, e.g. ``("--exclusive",)``.
+        resume_from: a ``checkpoint/step_<n>`` directory the job's first run continues from
+            (``--resume`` to the manager); a requeued run continues from the run's newest
+            checkpoint instead. None: a new run.
     """
     params = dict(locals())
     _check(params)
@@ -150,6 +154,10 @@ _SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+@%:/=,-]+$")
 def _check(p: Mapping[str, Any]) -> None:
     """Raise SbatchOptionError for anything sbatch would reject or the job could not survive."""
     problems = sbatch_option_problems(p)
+    if p.get("resume_from") is not None and (
+        not isinstance(p["resume_from"], str) or not p["resume_from"]
+    ):
+        problems.append(f"resume_from={p['resume_from']!r} must be a checkpoint path or None")
     for name in ("job_name", "config_path", "output_dir", "python"):
         if not isinstance(p[name], str) or not p[name]:
             problems.append(f"{name}={p[name]!r} must be a non-empty string")

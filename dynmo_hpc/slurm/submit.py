@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.launch import preflight
-from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir
+from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir, refuse_if_locked
 from dynmo_hpc.slurm.requeue import ManagerJob, run_in_allocation
 from dynmo_hpc.slurm.scheduler import (
     TERMINAL_STATES,
@@ -303,6 +303,8 @@ def submit(
     sweep: Mapping[str, Sequence[Any]] | None = None,
     folder: str | Path | None = None,
     overwrite: bool = False,
+    resume: bool | str | Path = False,
+    allow_change: Sequence[str] = (),
     **slurm_options: Any,
 ) -> submitit.Job[Any] | list[submitit.Job[Any]]:
     """Submit the job manager with submitit; returns the job, or one job per sweep point.
@@ -316,16 +318,25 @@ def submit(
             ``<run_dir>/submitit``, or ``<out_dir>/<name>-sweep/submitit`` for a sweep.
         overwrite: replace earlier runs in the jobs' run directories; without it a run
             directory that holds a run (``run.h5``, checkpoints, ...) is refused.
+        resume: continue the job's run: True from its newest intact checkpoint, a path (run
+            directory or ``checkpoint/step_<n>``) from that one. Checked here under the resume
+            rules (docs/checkpoints.md); a requeued job continues from its newest checkpoint.
+            Not with ``sweep`` or ``overwrite``.
+        allow_change: with ``resume``: keys that alter the training math which may differ
+            from the checkpoint's (``--allow-change``), e.g. ``["train.lr"]``.
         **slurm_options: keys of the ``slurm:`` section (``nodes=4``, ``partition="gpu"``...).
 
     Raises:
         ConfigError: an invalid config or SLURM option, or a request the cluster cannot run;
             nothing is submitted.
         SubmitError: the cluster could not be asked, or sbatch refused the job.
-        LaunchError: a run directory already holds a run and ``overwrite`` is False.
+        LaunchError: a run directory already holds a run and ``overwrite`` is False (and no
+            ``resume``), or a running job holds it.
+        CheckpointError: ``resume`` finds no intact checkpoint, or one the rules refuse.
     """
     import submitit
 
+    _check_resume_options(resume, allow_change, overwrite=overwrite, sweep=sweep)
     data, source = load_job(config_or_path, overrides, slurm_options)
     configs = _checked_configs(data, source, sweep)
 
@@ -333,14 +344,17 @@ def submit(
     if folder is None:
         out_dir = Path(configs[0].job.out_dir)
         folder = (out_dir / f"{base_name}-sweep" if sweep else configs[0].run_dir) / "submitit"
-    for cfg in configs:
-        claim_run_dir(cfg.run_dir, overwrite=overwrite)
+    resume_path = _resume_checkpoint(configs[0], resume, allow_change)
+    if resume_path is None:
+        for cfg in configs:
+            claim_run_dir(cfg.run_dir, overwrite=overwrite)
     executor = make_executor(configs[0], folder, job_name=base_name)
     paths = [str(prepare_run_dir(c)) for c in configs]
     launcher, loopback_only = configs[0].slurm.launcher, configs[0].slurm.loopback_only
     try:
         if not sweep:
-            jobs = [executor.submit(ManagerJob(), paths[0], launcher, loopback_only)]
+            call = (paths[0], launcher, loopback_only, None, resume_path)
+            jobs = [executor.submit(ManagerJob(), *call)]
         else:
             n = len(paths)
             jobs = executor.map_array(ManagerJob(), paths, [launcher] * n, [loopback_only] * n)
@@ -360,6 +374,52 @@ def submit(
         submitit.SlurmJob(folder=executor.folder, job_id=j.job_id, tasks=(0,)) for j in jobs
     ]
     return single if sweep else single[0]
+
+
+def _check_resume_options(
+    resume: bool | str | Path,
+    allow_change: Sequence[str],
+    *,
+    overwrite: bool,
+    sweep: Mapping[str, Sequence[Any]] | None,
+) -> None:
+    """``resume`` goes with neither ``overwrite`` nor ``sweep``; ``allow_change`` needs it."""
+    if resume is False:
+        if allow_change:
+            raise config_mod.ConfigError(
+                f"allow_change={list(allow_change)} needs resume (a new run has nothing to "
+                "change from); HINT: pass resume=True, or drop allow_change"
+            )
+        return
+    if overwrite:
+        raise config_mod.ConfigError(
+            "resume and overwrite exclude each other; HINT: resume continues the run, "
+            "overwrite starts it afresh: pass one"
+        )
+    if sweep:
+        raise config_mod.ConfigError(
+            "resume does not take a sweep (each sweep point is its own run); HINT: resume "
+            "each point's job (its job.name) on its own"
+        )
+
+
+def _resume_checkpoint(
+    cfg: config_mod.JobConfig, resume: bool | str | Path, allow_change: Sequence[str]
+) -> str | None:
+    """The absolute checkpoint path the job's first run continues from (None: a new run),
+    checked under the resume rules before anything is queued."""
+    if resume is False:
+        return None
+    from dynmo_hpc.pipeline import resume as resume_mod  # torch and MPI: only when resuming
+
+    refuse_if_locked(cfg.run_dir)
+    chosen = resume_mod.choose_checkpoint(cfg, "" if resume is True else str(resume), allow_change)
+    for candidate in chosen.skipped:
+        log.warning("skipping checkpoint %s: %s", candidate.path, candidate.problem)
+    for change in chosen.verdict.accepted:
+        log.warning("accepted change (allow_change): %s", change.describe())
+    log.info("the job continues from %s (after step %d)", chosen.path, chosen.step)
+    return str(chosen.path.resolve())
 
 
 def _checked_configs(

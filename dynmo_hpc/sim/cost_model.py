@@ -1,0 +1,318 @@
+"""Per-layer forward and backward cost from the layer's shape and its scheme state.
+
+Why: a run log measures the layers of the model it trained, on the machine it ran on. To ask
+what a dynamic scheme does to a larger model, or on another machine, the simulator needs each
+layer's work as a function of what it is (d_model, d_ff, heads, sequence length, micro batch)
+and of what the scheme has done to it (neurons and heads kept, tokens kept, attention density,
+frozen or not, expert loads), then that work times a machine's rates
+(:class:`~dynmo_hpc.sim.machine.LayerRates`). This module is that function; pure arithmetic.
+
+The work model, per microbatch, as a list of operations (:class:`OpCost`):
+
+- FLOPs count the matmuls only, 2 per multiply-add (``2 m k n`` for an ``(m, k) @ (k, n)``);
+  LayerNorm, GELU, softmax and residual adds are counted in bytes (they are memory-bound), so
+  the fitted bytes rate absorbs their few FLOPs per element. Biases are left out (one add per
+  output, next to ``k`` multiply-adds);
+- bytes are float32 values read and written, each operand once per kernel: a matmul reads its two
+  inputs and writes its output; an elementwise operation reads and writes one tensor forward and
+  reads two (its saved input, the output's gradient) and writes one backward; attention is fused
+  (the score matrix is not written to memory, as scaled-dot-product kernels do);
+- backward of a matmul with a weight is an input-gradient matmul (same FLOPs and bytes as the
+  forward) and a weight-gradient matmul (same again); attention's two products have no weight and
+  their backward is two products each (4x the forward's score FLOPs in all, all input gradient);
+- causal attention counts the (query, key) pairs it computes: ``t_q (t_kv + 1) / 2`` per head
+  per sequence, times the kept density; MoD's kept tokens attend among themselves, early exit's
+  active queries attend to every token's keys.
+
+Scheme state (:class:`SchemeState`) and what it removes:
+
+- pruning: ``neurons_kept`` shrinks d_ff, ``heads_kept`` shrinks the attention width;
+- MoD and early exit: ``tokens_kept`` of the micro batch's tokens run the block (``kv_tokens_kept``
+  of them still project keys and values: all for early exit);
+- sparse attention: ``attention_density`` of the causal pairs;
+- MoE: ``expert_loads``, each expert's tokens as a fraction of the block's, replace the dense
+  feed-forward (one expert MLP per entry, plus the router); ``padded`` runs every expert on the
+  busiest one's load;
+- freezing: ``frozen`` drops the weight-gradient half of the backward; ``frozen_prefix`` (inside
+  the prefix below the first trainable layer) drops the backward altogether.
+
+Time of a pass: ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``
+(:func:`pass_time_s`); a pass with no work (a frozen prefix's backward) costs 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dynmo_hpc.config import ModelSection
+from dynmo_hpc.sim.machine import LayerRates
+
+BYTES_PER_VALUE = 4
+"""float32, what the trainer computes in."""
+
+LayerKind = Literal["embedding", "block", "head"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """A layer's shape and the microbatch it runs: what its work scales with."""
+
+    kind: LayerKind
+    d_model: int
+    d_ff: int = 0
+    """Feed-forward width (each expert's, for MoE); blocks only."""
+    num_heads: int = 1
+    seq_len: int
+    micro_batch: int
+    vocab_size: int = 256
+    """Embedding rows; head and exit-head outputs."""
+
+    def check(self) -> None:
+        """ValueError naming the field when a size is not a positive integer (d_ff of a block)."""
+        if self.kind not in ("embedding", "block", "head"):
+            raise ValueError(f"kind={self.kind!r}; expected embedding, block or head")
+        sizes = ["d_model", "num_heads", "seq_len", "micro_batch", "vocab_size"]
+        for name in [*sizes, *(["d_ff"] if self.kind == "block" else [])]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchemeState:
+    """What a dynamic scheme has done to one layer at one step (default: nothing)."""
+
+    neurons_kept: float = 1.0
+    """Fraction of the d_ff feed-forward neurons left by pruning, in (0, 1]."""
+    heads_kept: float = 1.0
+    """Fraction of the attention heads left by pruning, in (0, 1]."""
+    tokens_kept: float = 1.0
+    """Fraction of the micro batch's tokens the layer runs on (MoD capacity, early exit's active
+    tokens), in (0, 1]."""
+    kv_tokens_kept: float | None = None
+    """Fraction whose keys and values are projected and attended to; None: ``tokens_kept`` (MoD).
+    Early exit: 1.0 (exited tokens keep their keys and values)."""
+    attention_density: float = 1.0
+    """Fraction of the causal (query, key) pairs computed (sparse attention), in (0, 1]."""
+    frozen: bool = False
+    """No weight gradients: the backward computes input gradients only."""
+    frozen_prefix: bool = False
+    """Inside the frozen prefix: no backward at all (implies ``frozen``)."""
+    expert_loads: tuple[float, ...] | None = None
+    """MoE: per expert, its tokens as a fraction of the layer's kept tokens (sum ``top_k`` with
+    nothing dropped); None: the dense feed-forward."""
+    padded: bool = False
+    """MoE ``dispatch: padded``: every expert runs the busiest expert's load."""
+    exit_head: bool = False
+    """Early exit: the block owns an exit head (LayerNorm and a d_model x vocab map)."""
+
+    def check(self) -> None:
+        """ValueError naming the field when a fraction is outside its range."""
+        for name in ("neurons_kept", "heads_kept", "tokens_kept", "attention_density"):
+            _fraction(name, getattr(self, name))
+        if self.kv_tokens_kept is not None:
+            _fraction("kv_tokens_kept", self.kv_tokens_kept)
+        if self.frozen_prefix and not self.frozen:
+            raise ValueError("frozen_prefix=True needs frozen=True; HINT: a prefix layer is frozen")
+        if self.expert_loads is not None:
+            if not self.expert_loads:
+                raise ValueError("expert_loads is empty; HINT: one load per expert, or None")
+            for load in self.expert_loads:
+                if not math.isfinite(load) or load < 0:
+                    raise ValueError(f"expert load {load!r} must be finite and >= 0")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError(f"{name}={value!r} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One operation's work: forward, backward input gradient, backward weight gradient."""
+
+    forward_flops: float = 0.0
+    forward_bytes: float = 0.0
+    dgrad_flops: float = 0.0
+    dgrad_bytes: float = 0.0
+    wgrad_flops: float = 0.0
+    wgrad_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """A layer's work per microbatch: FLOPs and bytes of its forward and of its backward."""
+
+    forward_flops: float
+    forward_bytes: float
+    backward_flops: float
+    backward_bytes: float
+    ops: dict[str, OpCost] = field(default_factory=dict, compare=False)
+    """The operations it is the sum of, by name (for tests and reading)."""
+
+
+def matmul(m: float, k: float, n: float, *, weight: bool = True) -> OpCost:
+    """``(m, k) @ (k, n)``: 2 m k n FLOPs, the three operands' bytes, per pass; a weight-less
+    product has no weight-gradient part."""
+    flops = 2.0 * m * k * n
+    nbytes = (m * k + k * n + m * n) * BYTES_PER_VALUE
+    if not weight:
+        return OpCost(flops, nbytes, 2 * flops, 2 * nbytes)
+    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes)
+
+
+def elementwise(elements: float) -> OpCost:
+    """LayerNorm, GELU, softmax, a residual add: read and write forward, read two and write one
+    backward; no FLOPs counted."""
+    return OpCost(0.0, 2.0 * elements * BYTES_PER_VALUE, 0.0, 3.0 * elements * BYTES_PER_VALUE)
+
+
+def attention_core(batch: int, width: float, t_q: float, t_kv: float, density: float) -> OpCost:
+    """Scores and weighted values of ``width`` attention channels (heads x head size), fused.
+
+    Pairs per sequence: ``density * t_q * (t_kv + 1) / 2``; each costs ``2 width`` FLOPs in
+    ``Q K^T`` and again in ``A V``; backward is two products per forward product. Bytes: Q, K,
+    V read and Y written forward; Q, K, V, dY read and dQ, dK, dV written backward (Y is
+    re-read as well by fused kernels: counted)."""
+    pairs = density * t_q * (t_kv + 1) / 2
+    flops = 4.0 * batch * pairs * width
+    forward_bytes = batch * width * (2 * t_q + 2 * t_kv) * BYTES_PER_VALUE
+    backward_bytes = batch * width * (4 * t_q + 4 * t_kv) * BYTES_PER_VALUE
+    return OpCost(flops, forward_bytes, 2 * flops, backward_bytes)
+
+
+def _feed_forward(rows: float, d_model: int, d_ff: float, prefix: str) -> dict[str, OpCost]:
+    return {
+        f"{prefix}fc": matmul(rows, d_model, d_ff),
+        f"{prefix}gelu": elementwise(rows * d_ff),
+        f"{prefix}proj": matmul(rows, d_ff, d_model),
+    }
+
+
+def _moe(rows: float, shape: LayerShape, d_ff: float, state: SchemeState) -> dict[str, OpCost]:
+    """The router over the kept tokens, then one expert MLP per load entry."""
+    assert state.expert_loads is not None
+    loads = state.expert_loads
+    ops = {"router": matmul(rows, shape.d_model, len(loads))}
+    busiest = max(loads)
+    for e, load in enumerate(loads):
+        expert_rows = rows * (busiest if state.padded else load)
+        ops.update(_feed_forward(expert_rows, shape.d_model, d_ff, f"expert{e}_"))
+    return ops
+
+
+def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
+    """A pre-norm block's operations (:class:`dynmo_hpc.model.gpt.Block`) under ``state``."""
+    c, b, t = shape.d_model, shape.micro_batch, shape.seq_len
+    kv_kept = state.tokens_kept if state.kv_tokens_kept is None else state.kv_tokens_kept
+    t_q, t_kv = state.tokens_kept * t, kv_kept * t
+    n_q, n_kv = b * t_q, b * t_kv
+    width = state.heads_kept * c
+    d_ff = state.neurons_kept * shape.d_ff
+    ops = {
+        "ln_1": elementwise(n_kv * c),
+        "q": matmul(n_q, c, width),
+        "kv": matmul(n_kv, c, 2 * width),
+        "attention": attention_core(b, width, t_q, t_kv, state.attention_density),
+        "attn_proj": matmul(n_q, width, c),
+        "residual_1": elementwise(n_q * c),
+        "ln_2": elementwise(n_q * c),
+    }
+    if state.expert_loads is None:
+        ops.update(_feed_forward(n_q, c, d_ff, "mlp_"))
+    else:
+        ops.update(_moe(n_q, shape, d_ff, state))
+    ops["residual_2"] = elementwise(n_q * c)
+    if state.exit_head:
+        ops["exit_ln"] = elementwise(n_q * c)
+        ops["exit_head"] = matmul(n_q, c, shape.vocab_size)
+        ops["exit_softmax"] = elementwise(n_q * shape.vocab_size)
+    return ops
+
+
+def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
+    """Token plus position lookup: rows read and summed forward, scattered into the tables'
+    gradients backward (weight gradient only: the input is token ids)."""
+    n, c = shape.micro_batch * shape.seq_len, shape.d_model
+    forward = (2 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
+    backward = (3 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
+    return {"lookup": OpCost(0.0, forward, 0.0, 0.0, 0.0, backward)}
+
+
+def head_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
+    """Final LayerNorm, LM head and cross-entropy on the tokens still active."""
+    n = shape.micro_batch * shape.seq_len * state.tokens_kept
+    return {
+        "ln_f": elementwise(n * shape.d_model),
+        "lm_head": matmul(n, shape.d_model, shape.vocab_size),
+        "softmax": elementwise(n * shape.vocab_size),
+    }
+
+
+def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost:
+    """The layer's FLOPs and bytes per microbatch, forward and backward, under ``state``.
+
+    Example: a block with d_model 64, d_ff 256, 4 heads, 128 tokens, micro batch 2 and no
+    scheme does ``2*256*(12*64*64) + 4*2*(128*129/2)*64`` forward FLOPs.
+    """
+    state = state or SchemeState()
+    shape.check()
+    state.check()
+    if shape.kind == "embedding":
+        ops = embedding_ops(shape)
+    elif shape.kind == "head":
+        ops = head_ops(shape, state)
+    else:
+        ops = block_ops(shape, state)
+    backward_flops = sum(op.dgrad_flops for op in ops.values())
+    backward_bytes = sum(op.dgrad_bytes for op in ops.values())
+    if not state.frozen:
+        backward_flops += sum(op.wgrad_flops for op in ops.values())
+        backward_bytes += sum(op.wgrad_bytes for op in ops.values())
+    if state.frozen_prefix:
+        backward_flops = backward_bytes = 0.0
+    return LayerCost(
+        forward_flops=sum(op.forward_flops for op in ops.values()),
+        forward_bytes=sum(op.forward_bytes for op in ops.values()),
+        backward_flops=backward_flops,
+        backward_bytes=backward_bytes,
+        ops=ops,
+    )
+
+
+def pass_time_s(flops: float, nbytes: float, rates: LayerRates) -> float:
+    """Seconds of one pass: ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``; 0 for a
+    pass with no work (a frozen prefix's backward is not run at all)."""
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    return flops / rates.flops_per_s + nbytes / rates.bytes_per_s + rates.overhead_s
+
+
+def layer_times_s(cost: LayerCost, rates: LayerRates) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of one microbatch through the layer."""
+    return (
+        pass_time_s(cost.forward_flops, cost.forward_bytes, rates),
+        pass_time_s(cost.backward_flops, cost.backward_bytes, rates),
+    )
+
+
+def layer_shapes(model: ModelSection, micro_batch: int) -> list[LayerShape]:
+    """The shapes of a model's layers in placement order: embedding, blocks, head."""
+
+    def shape(kind: LayerKind, d_ff: int = 0) -> LayerShape:
+        return LayerShape(
+            kind=kind,
+            d_model=model.d_model,
+            d_ff=d_ff,
+            num_heads=model.num_heads,
+            seq_len=model.seq_len,
+            micro_batch=micro_batch,
+            vocab_size=model.vocab_size,
+        )
+
+    blocks = [shape("block", model.block_d_ff(i)) for i in range(1, model.num_blocks + 1)]
+    return [shape("embedding"), *blocks, shape("head")]
