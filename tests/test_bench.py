@@ -219,7 +219,7 @@ def test_steady_table_has_ceiling_and_capture() -> None:
     line = next(x for x in steady if x.startswith("| moe | DynMo optimal |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[2:] == [
-        "static uniform (Megatron-style)",
+        algorithm_label("uniform"),
         "1.00",
         "1.20 (1.20-1.20)",
         "1.25",
