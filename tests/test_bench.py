@@ -10,11 +10,13 @@ import h5py
 import pandas as pd
 import pytest
 
+from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
 from dynmo_hpc.bench.measure import RunFigures, ideal_step_s, ideal_train_s, run_figures
 from dynmo_hpc.bench.summary import (
     LossMismatchError,
     Spread,
+    algorithm_label,
     check_same_losses,
     max_loss_difference,
     speedup,
@@ -105,6 +107,21 @@ def test_run_figures_count_moves_and_migration_seconds() -> None:
     assert figures.ideal_tokens_per_s == pytest.approx(200.0)
     assert figures.efficiency == pytest.approx(0.4)
     assert figures.final_loss == 1.0
+    # the steady state defaults to the second half: steps 2-3, 200 tokens in 3 s; ramp 200 in 2 s
+    assert figures.steady_tokens_per_s == pytest.approx(200 / 3)
+    assert figures.ramp_tokens_per_s == pytest.approx(100.0)
+    late = run_figures(
+        steps=steps,
+        layer_costs=_costs([(1, [0.25, 0.25]), (3, [0.25, 0.25])]),
+        events=events,
+        tokens_per_step=100,
+        num_stages=2,
+        num_microbatches=1,
+        wall_s=9.0,
+        steady_from_step=3,
+    )
+    assert late.steady_tokens_per_s == pytest.approx(100.0)  # step 3 alone
+    assert late.ramp_tokens_per_s == pytest.approx(300 / 4)
 
 
 def test_same_model_check() -> None:
@@ -151,13 +168,17 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = tmp_path / "bench"
     sets = [s for item in TINY if not item.startswith(("train.steps", "balance.algorithm"))
             for s in ("--set", item)]  # fmt: skip
-    argv = ["bench", "--schemes", "plain", "--algorithms", "uniform,optimal", "--repeats", "1"]
+    argv = ["bench", "--whole", "--schemes", "plain", "--algorithms", "uniform,optimal"]
+    argv += ["--repeats", "1"]
     argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs"), *sets]
     assert main(argv) == 0
     text = (out / "results.md").read_text()
-    assert "| plain | static uniform (equal layer counts) |" in text
+    assert f"| plain | {algorithm_label('uniform')} |" in text
+    if "megatron" not in ALGORITHMS:
+        assert algorithm_label("uniform") == "static uniform (Megatron-style)"
     assert "| plain | DynMo optimal |" in text
     assert "optimal / uniform" in text
+    assert "| scheme | balancer | static split | ramp speedup | steady speedup | ceiling |" in text
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with h5py.File(out / "results.h5", "r") as f:
         policies = [p.decode() for p in f["runs/policy"][()]]
@@ -178,3 +199,29 @@ def test_bench_refuses_a_missing_jobs_dir(
     assert code == 2
     err = capsys.readouterr().err
     assert "default.yaml: no such job file" in err and "--jobs-dir" in err
+
+
+def test_steady_table_has_ceiling_and_capture() -> None:
+    """Steady speedup 1.2 against a ceiling of 1.25 over the uniform split: capture 0.8."""
+    from dataclasses import replace
+
+    from dynmo_hpc.bench.summary import render_markdown
+
+    base = _figures(100.0)
+    slow = replace(base, steady_tokens_per_s=100.0, ramp_tokens_per_s=90.0,
+                   steady_ceilings={"uniform": 1.25})  # fmt: skip
+    fast = replace(base, steady_tokens_per_s=120.0, ramp_tokens_per_s=90.0,
+                   steady_ceilings={"uniform": 1.25})  # fmt: skip
+    rows = {"moe": {"uniform": summarize("moe", "uniform", [slow]),
+                    "optimal": summarize("moe", "optimal", [fast])}}  # fmt: skip
+    text = render_markdown(rows, {"moe": 0.0}, command="c", setting="s")
+    steady = text.split("| ramp speedup |")[1].splitlines()
+    line = next(x for x in steady if x.startswith("| moe | DynMo optimal |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[2:] == [
+        algorithm_label("uniform"),
+        "1.00",
+        "1.20 (1.20-1.20)",
+        "1.25",
+        "0.80",
+    ]

@@ -33,14 +33,21 @@ def algorithm_overrides(algorithm: str, num_stages: int, layer_params: Sequence[
         return [f"balance.algorithm={algorithm}", "pipeline.partition=null"]
     if algorithm == INITIAL_ALGORITHM:
         return [f"balance.algorithm={STATIC}", "pipeline.partition=null"]
+    parts = static_split(algorithm, num_stages, layer_params)
+    return [f"balance.algorithm={STATIC}", f"pipeline.partition=[{', '.join(map(str, parts))}]"]
+
+
+def static_split(algorithm: str, num_stages: int, layer_params: Sequence[int]) -> list[int]:
+    """The split a static baseline fixes at the start: computed once from the layers as built
+    (unit costs; ``layer_params`` for the options that need parameter counts)."""
+    entry = lookup(algorithm)
     costs = [1.0] * len(layer_params)
     state = BalanceState(
         parts=partition(costs, num_stages, INITIAL_ALGORITHM),
         num_params=list(layer_params),
         layer_bytes=[0] * len(layer_params),
     )
-    parts = partition(costs, num_stages, algorithm, **entry.trainer_options(state))
-    return [f"balance.algorithm={STATIC}", f"pipeline.partition=[{', '.join(map(str, parts))}]"]
+    return partition(costs, num_stages, algorithm, **entry.trainer_options(state))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ transfers, the optimizer step, gradient clipping's all-reduce, the load reports)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -59,6 +60,13 @@ class RunFigures:
     """Seconds spent migrating (slowest rank per migration, summed)."""
     final_loss: float
     losses: list[float]
+    steady_tokens_per_s: float = math.nan
+    """Tokens/s over the steady state alone (steps from ``train.steady_state_step``)."""
+    ramp_tokens_per_s: float = math.nan
+    """Tokens/s over the ramp alone (the steps before it); NaN when it has no step."""
+    steady_ceilings: dict[str, float] = field(default_factory=dict)
+    """Per static baseline: the pipeline-aware ceiling over its split on this run's steady-state
+    load reports (:mod:`dynmo_hpc.bench.ceiling`)."""
 
     @property
     def efficiency(self) -> float:
@@ -101,8 +109,11 @@ def run_figures(
     num_stages: int,
     num_microbatches: int,
     wall_s: float,
+    steady_from_step: int | None = None,
+    steady_ceilings: dict[str, float] | None = None,
 ) -> RunFigures:
-    """The figures of one run from its run log tables (see :class:`~dynmo_hpc.runlog.RunLog`)."""
+    """The figures of one run from its run log tables (see :class:`~dynmo_hpc.runlog.RunLog`);
+    ``steady_from_step``: the first step of the steady state (None: half the run)."""
     ordered = steps.sort_values("step")
     num_steps = len(ordered)
     if num_steps == 0:
@@ -113,6 +124,7 @@ def run_figures(
     migrations = events[events["kind"] == "migrate"]
     details = list(migrations["detail"])
     losses = [float(v) for v in ordered["loss"]]
+    first = num_steps // 2 if steady_from_step is None else steady_from_step
     return RunFigures(
         steps=num_steps,
         tokens=tokens,
@@ -125,4 +137,14 @@ def run_figures(
         migration_s=sum(float(d.get("seconds", 0.0)) for d in details),
         final_loss=losses[-1],
         losses=losses,
+        steady_tokens_per_s=_phase_tokens_per_s(ordered, tokens_per_step, first, num_steps),
+        ramp_tokens_per_s=_phase_tokens_per_s(ordered, tokens_per_step, 0, first),
+        steady_ceilings=dict(steady_ceilings or {}),
     )
+
+
+def _phase_tokens_per_s(ordered: pd.DataFrame, tokens_per_step: int, first: int, end: int) -> float:
+    """Tokens/s over steps ``first .. end - 1`` (NaN when there is none)."""
+    rows = ordered[(ordered["step"] >= first) & (ordered["step"] < end)]
+    seconds = float(rows["step_time_s"].sum())
+    return tokens_per_step * len(rows) / seconds if len(rows) and seconds > 0 else math.nan

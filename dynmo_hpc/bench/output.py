@@ -20,9 +20,10 @@ from matplotlib.figure import Figure
 
 from dynmo_hpc.atomic_io import atomic_write_bytes
 from dynmo_hpc.balance import ALGORITHMS
+from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures
 from dynmo_hpc.bench.algorithms import PlannedRun
 from dynmo_hpc.bench.measure import RunFigures
-from dynmo_hpc.bench.summary import AlgorithmRow
+from dynmo_hpc.bench.summary import AlgorithmRow, algorithm_label
 
 RUN_COLUMNS = (
     "tokens_per_s",
@@ -99,12 +100,116 @@ def write_chart(path: Path, rows: Mapping[str, Mapping[str, AlgorithmRow]]) -> N
             width,
             yerr=[errors_low, errors_high],
             capsize=2,
-            label=ALGORITHMS[algorithm].label,
+            label=algorithm_label(algorithm),
         )
     ax.set_xticks(range(len(schemes)))
     ax.set_xticklabels(schemes, rotation=20)
     ax.set_ylabel("tokens/s (median, min-max)")
     ax.set_title("dynmo-hpc bench: throughput per scheme and algorithm")
+    ax.legend(fontsize="small")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def write_ab_results_h5(
+    path: Path,
+    runs: Sequence[tuple[str, ABRunFigures]],
+    rows: Sequence[ABRow],
+    attrs: Mapping[str, str | int | float],
+) -> None:
+    """``/runs/<name>``: each A/B run's steps (step, arm, step time, wall/CPU ratio, kept) and
+    losses; ``/rows``: one entry per table row (gain, its spread, ceiling, capture, kept)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for name, fig in runs:
+                group = f.create_group(f"runs/{name}")
+                for column in ("step", "ab_arm", "step_time_s", "wall_s_per_cpu_s", "kept"):
+                    group.create_dataset(column, data=fig.marked[column].to_numpy())
+                group.create_dataset("loss", data=np.array(fig.losses, dtype=np.float64))
+            _ab_rows_h5(f.create_group("rows"), rows)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _ab_rows_h5(table: h5py.Group, rows: Sequence[ABRow]) -> None:
+    text = h5py.string_dtype()
+    for column in ("scheme", "static", "balancer", "phase"):
+        table.create_dataset(column, data=[getattr(r, column) for r in rows], dtype=text)
+    nan = float("nan")
+    columns: dict[str, list[float]] = {
+        "gain": [], "gain_q25": [], "gain_q75": [], "ceiling": [], "capture": [],
+        "static_step_s": [], "dynmo_step_s": [], "kept_static": [], "kept_dynmo": [],
+    }  # fmt: skip
+    for r in rows:
+        c = r.comparison
+        low, high = c.spread if c else (nan, nan)
+        values = {
+            "gain": c.gain if c else nan,
+            "gain_q25": low,
+            "gain_q75": high,
+            "ceiling": nan if r.ceiling is None else r.ceiling,
+            "capture": nan if r.capture is None else r.capture,
+            "static_step_s": c.static_step_s if c else nan,
+            "dynmo_step_s": c.dynmo_step_s if c else nan,
+            "kept_static": float(c.kept[0]) if c else 0.0,
+            "kept_dynmo": float(c.kept[1]) if c else 0.0,
+        }
+        for key, value in values.items():
+            columns[key].append(value)
+    for key, values in columns.items():
+        table.create_dataset(key, data=np.array(values, dtype=np.float64))
+
+
+def write_ab_chart(path: Path, rows: Sequence[ABRow]) -> None:
+    """Steady-state gain per scheme, one bar per (static split, balancer), the IQR as error
+    bars and the ceiling as a tick above each bar."""
+    steady = [r for r in rows if r.phase == "steady"]
+    schemes = list(dict.fromkeys(r.scheme for r in steady))
+    pairs = list(dict.fromkeys((r.static, r.balancer) for r in steady))
+    figure = Figure(figsize=(max(6.0, 1.4 * len(schemes) + 2.0), 4.0))
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(pairs))
+    for k, pair in enumerate(pairs):
+        xs, gains, low, high, ceil_x, ceilings = [], [], [], [], [], []
+        for i, scheme in enumerate(schemes):
+            row = next(
+                (r for r in steady if r.scheme == scheme and (r.static, r.balancer) == pair), None
+            )
+            if row is None:
+                continue
+            x = i + (k - (len(pairs) - 1) / 2) * width
+            if row.comparison is not None:
+                q25, q75 = row.comparison.spread
+                xs.append(x)
+                gains.append(row.comparison.gain)
+                low.append(max(0.0, row.comparison.gain - q25))
+                high.append(max(0.0, q75 - row.comparison.gain))
+            if row.ceiling is not None:
+                ceil_x.append(x)
+                ceilings.append(row.ceiling)
+        label = f"{algorithm_label(pair[1])} / {algorithm_label(pair[0])}"
+        bars = ax.bar(xs, gains, width, yerr=[low, high], capsize=2, label=label)
+        ax.scatter(
+            ceil_x,
+            ceilings,
+            marker="_",
+            s=200,
+            color=bars.patches[0].get_facecolor() if bars.patches else None,
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(schemes)))
+    ax.set_xticklabels(schemes, rotation=20)
+    ax.set_ylabel("steady-state gain (IQR); tick: ceiling")
+    ax.set_title("dynmo-hpc bench --ab: balancer over static split, same run")
     ax.legend(fontsize="small")
     figure.tight_layout()
     buffer = io.BytesIO()

@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.balance.registry import rebalancing, static_baselines
+from dynmo_hpc.bench.ceiling import capture
 from dynmo_hpc.bench.measure import RunFigures
 from dynmo_hpc.errors import DynmoError
+
+
+def algorithm_label(algorithm: str) -> str:
+    """An algorithm's name in the tables: its registry label, except that ``uniform`` reads
+    "static uniform (Megatron-style)" unless the registry has a ``megatron`` entry of its own
+    (then each keeps its own label)."""
+    if algorithm == "uniform" and "megatron" not in ALGORITHMS:
+        return "static uniform (Megatron-style)"
+    return ALGORITHMS[algorithm].label
+
+
+class BenchError(DynmoError):
+    """A bench run failed; the message names the run and its directory."""
 
 
 class LossMismatchError(DynmoError):
@@ -53,6 +67,16 @@ class AlgorithmRow:
     num_moves: Spread
     migration_s: Spread
     final_loss: float
+    steady_tokens_per_s: Spread | None = None
+    """Tokens/s over the steady state alone (None when a run has no steady-state step)."""
+    ramp_tokens_per_s: Spread | None = None
+    steady_ceilings: dict[str, float] = field(default_factory=dict)
+    """Per static baseline: the median over repeats of the runs' steady-state ceilings."""
+
+
+def _finite_spread(values: Sequence[float]) -> Spread | None:
+    kept = [v for v in values if math.isfinite(v)]
+    return Spread.of(kept) if kept else None
 
 
 def summarize(scheme: str, algorithm: str, runs: Sequence[RunFigures]) -> AlgorithmRow:
@@ -68,6 +92,14 @@ def summarize(scheme: str, algorithm: str, runs: Sequence[RunFigures]) -> Algori
         num_moves=Spread.of([float(r.num_moves) for r in runs]),
         migration_s=Spread.of([r.migration_s for r in runs]),
         final_loss=float(np.median([r.final_loss for r in runs])),
+        steady_tokens_per_s=_finite_spread([r.steady_tokens_per_s for r in runs]),
+        ramp_tokens_per_s=_finite_spread([r.ramp_tokens_per_s for r in runs]),
+        steady_ceilings={
+            name: float(
+                np.median([r.steady_ceilings[name] for r in runs if name in r.steady_ceilings])
+            )
+            for name in {n for r in runs for n in r.steady_ceilings}
+        },
     )
 
 
@@ -121,6 +153,55 @@ def speedup(rows: Mapping[str, AlgorithmRow], fast: str, slow: str) -> Spread | 
     return Spread(median=a.median / b.median, low=a.low / b.high, high=a.high / b.low)
 
 
+def steady_speedup(rows: Mapping[str, AlgorithmRow], fast: str, slow: str) -> Spread | None:
+    """:func:`speedup` over the steady state's tokens/s."""
+    if fast not in rows or slow not in rows:
+        return None
+    a, b = rows[fast].steady_tokens_per_s, rows[slow].steady_tokens_per_s
+    if a is None or b is None:
+        return None
+    return Spread(median=a.median / b.median, low=a.low / b.high, high=a.high / b.low)
+
+
+def _steady_lines(rows: Mapping[str, Mapping[str, AlgorithmRow]]) -> list[str]:
+    """The steady-state table: per scheme and (balancer, static split), the speedup, the
+    ceiling over the static split (median over all of the scheme's runs) and the capture."""
+    lines = [
+        "",
+        "Steady state (from each job's train.steady_state_step): speedup in tokens/s, median "
+        "(min/max - max/min); ceiling = the best contiguous partition's simulated step over the "
+        "static split's on the runs' steady-state costs (median over the scheme's runs); "
+        "capture = (median speedup - 1) / (ceiling - 1).",
+        "",
+        "| scheme | balancer | static split | ramp speedup | steady speedup | ceiling | capture |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for scheme, by_algorithm in rows.items():
+        for d in rebalancing():
+            for s in static_baselines():
+                steady = steady_speedup(by_algorithm, d, s)
+                if steady is None:
+                    continue
+                ceilings = [
+                    r.steady_ceilings[s] for r in by_algorithm.values() if s in r.steady_ceilings
+                ]
+                ceiling = float(np.median(ceilings)) if ceilings else None
+                got = None if ceiling is None else capture(steady.median, ceiling)
+                ramp = _ramp_speedup(by_algorithm, d, s)
+                lines.append(
+                    f"| {scheme} | {algorithm_label(d)} | {algorithm_label(s)} | "
+                    f"{'-' if ramp is None else f'{ramp:.2f}'} | {_fmt(steady, 2)} | "
+                    f"{'-' if ceiling is None else f'{ceiling:.2f}'} | "
+                    f"{'-' if got is None else f'{got:.2f}'} |"
+                )
+    return lines
+
+
+def _ramp_speedup(rows: Mapping[str, AlgorithmRow], fast: str, slow: str) -> float | None:
+    a, b = rows[fast].ramp_tokens_per_s, rows[slow].ramp_tokens_per_s
+    return None if a is None or b is None else a.median / b.median
+
+
 def _fmt(spread: Spread, digits: int = 0, scale: float = 1.0) -> str:
     med, low, high = spread.median * scale, spread.low * scale, spread.high * scale
     return f"{med:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
@@ -154,7 +235,7 @@ def render_markdown(
     for scheme, by_algorithm in rows.items():
         for algorithm, row in by_algorithm.items():
             lines.append(
-                f"| {scheme} | {ALGORITHMS[algorithm].label} | {_fmt(row.tokens_per_s)} | "
+                f"| {scheme} | {algorithm_label(algorithm)} | {_fmt(row.tokens_per_s)} | "
                 f"{_fmt(row.train_s, 1)} | {_fmt(row.wall_s, 1)} | {_fmt(row.efficiency, 2)} | "
                 f"{_fmt(row.num_moves)} | {_fmt(row.migration_s, 3)} |"
             )
@@ -176,4 +257,5 @@ def render_markdown(
         lines.append(
             f"| {scheme} | {' | '.join(cells)} | {loss_differences.get(scheme, 0.0):.2g} |"
         )
+    lines += _steady_lines(rows)
     return "\n".join(lines) + "\n"

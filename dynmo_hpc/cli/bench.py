@@ -1,15 +1,20 @@
-"""``dynmo-hpc bench``: train each scheme under the two static splits and DynMo's two balancers.
+"""``dynmo-hpc bench``: each scheme under the static splits and DynMo's balancers.
 
 Why a subcommand: "is DynMo faster than what I run now?" deserves one command that answers it on
 the user's own machine, with the spread that says how far to trust the answer. For the plain model
-and each scheme job it trains the same job four times per repeat (static uniform as Megatron-LM
-does, static by parameters as DeepSpeed does, DynMo ``optimal``, DynMo ``diffusion``), interleaved
-(:func:`~dynmo_hpc.bench.algorithms.run_order`), checks that all four trained the same model (equal
-losses), and writes ``results.md``, ``results.h5`` and ``results.png`` to ``--out``.
+and each scheme job it compares the registry's static baselines (uniform, by parameters) with
+DynMo's balancers (optimal, diffusion). ``--ab`` (the default) runs one job per static split and
+balancer whose partition alternates between the two every few steps, so both arms share the same
+minutes of the machine (:mod:`dynmo_hpc.cli.bench_ab`); ``--whole`` trains the same job once per
+algorithm and repeat, interleaved (:func:`~dynmo_hpc.bench.algorithms.run_order`). Either way it
+checks that all runs trained the same model (equal losses), reports the ramp and the steady state
+apart with the pipeline-aware ceiling and DynMo's capture of it, and writes ``results.md``,
+``results.h5`` and ``results.png`` to ``--out``.
 
 Example::
 
-    $ dynmo-hpc bench --schemes plain moe --steps 20 --repeats 3 --out runs/bench
+    $ dynmo-hpc bench --ab --schemes plain,pruning --repeats 1 --out runs/bench_ab
+    $ dynmo-hpc bench --whole --schemes plain,moe --steps 20 --repeats 5 --out runs/bench
 """
 
 from __future__ import annotations
@@ -24,17 +29,21 @@ from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order
+from dynmo_hpc.balance.registry import lookup
+from dynmo_hpc.bench.ab import NOISE_FACTOR, phase_ceiling, run_ceilings
+from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order, static_split
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
 from dynmo_hpc.bench.summary import (
     AlgorithmRow,
+    BenchError,
     check_same_losses,
     max_loss_difference,
     render_markdown,
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
+from dynmo_hpc.cli.bench_ab import ab_order, run_ab
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -57,10 +66,6 @@ BENCH_SETS = [
 ]
 """What every bench run sets: no checkpoints, no packing, quiet logs (the bench measures
 training and balancing, not I/O)."""
-
-
-class BenchError(DynmoError):
-    """A bench run failed; the message names the run and its directory."""
 
 
 def _names(choices: list[str]) -> Any:
@@ -110,6 +115,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=1e-6,
         help="largest relative loss difference between algorithms that counts as equal",
     )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--ab",
+        dest="mode",
+        action="store_const",
+        const="ab",
+        help="A/B within one run (the default): each job alternates the static split and the "
+        "balancer's plan every --ab-period steps",
+    )
+    mode.add_argument(
+        "--whole",
+        dest="mode",
+        action="store_const",
+        const="whole",
+        help="interleaved whole runs, one per algorithm and repeat (use --repeats 5 or more)",
+    )
+    p.set_defaults(mode="ab")
+    p.add_argument(
+        "--ab-period",
+        type=int,
+        default=None,
+        help="steps per A/B block, a multiple of the job's balance.interval (default: twice it)",
+    )
+    p.add_argument(
+        "--noise-factor",
+        type=float,
+        default=NOISE_FACTOR,
+        help="--ab: set aside steps whose wall/CPU ratio exceeds this many times the run's "
+        f"median (default {NOISE_FACTOR})",
+    )
     add_overrides_argument(p, "model.num_blocks=16")
     p.set_defaults(func=run)
     return p
@@ -138,7 +173,9 @@ def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfi
     return load_config(job, [*sets, *args.overrides, *extra])
 
 
-def _train(planned: PlannedRun, cfg: JobConfig) -> RunFigures:
+def _train(planned: PlannedRun, cfg: JobConfig, splits: dict[str, list[int]]) -> RunFigures:
+    """Train one run; its figures, with the steady-state ceiling over each of ``splits``
+    (static baseline -> its split)."""
     from dynmo_hpc.launch.local import run_local
     from dynmo_hpc.runlog import load as load_runlog
 
@@ -159,7 +196,24 @@ def _train(planned: PlannedRun, cfg: JobConfig) -> RunFigures:
         num_stages=cfg.pipeline.num_stages,
         num_microbatches=cfg.train.num_microbatches,
         wall_s=wall_s,
+        steady_from_step=cfg.train.steady_from_step(),
+        steady_ceilings=_steady_ceilings(runlog.layer_costs, cfg, splits),
     )
+
+
+def _steady_ceilings(
+    layer_costs: Any, cfg: JobConfig, splits: dict[str, list[int]]
+) -> dict[str, float]:
+    """Per static baseline: the ceiling over its split on the steady state's load reports."""
+    out = {}
+    for name, parts in splits.items():
+        ceilings = run_ceilings(
+            layer_costs, parts, cfg.train.num_microbatches, cfg.pipeline.schedule
+        )
+        value = phase_ceiling(ceilings, cfg.train.steady_from_step(), cfg.train.steps)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
@@ -178,10 +232,14 @@ def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this bench (for the results' header)."""
-    words = ["dynmo-hpc", "bench", "--schemes", ",".join(args.schemes)]
+    words = ["dynmo-hpc", "bench", f"--{args.mode}", "--schemes", ",".join(args.schemes)]
     words += ["--algorithms", ",".join(args.algorithms), "--repeats", str(args.repeats)]
     if args.steps is not None:
         words += ["--steps", str(args.steps)]
+    if args.mode == "ab" and args.ab_period is not None:
+        words += ["--ab-period", str(args.ab_period)]
+    if args.mode == "ab" and args.noise_factor != NOISE_FACTOR:
+        words += ["--noise-factor", str(args.noise_factor)]
     words += ["--out", str(args.out)]
     for item in args.overrides:
         words += ["--set", item]
@@ -235,8 +293,18 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise BenchError(f"--steps={args.steps} must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.noise_factor < 1.0:
+        raise BenchError(f"--noise-factor={args.noise_factor} must be >= 1")
     base = {scheme: _config(args, scheme, []) for scheme in args.schemes}
     params = {scheme: layer_params(cfg) for scheme, cfg in base.items()}
+    if args.mode == "ab":
+        try:
+            ab_order(args.schemes, args.algorithms, args.repeats)
+        except ValueError as exc:
+            raise BenchError(f"{exc}; HINT: include uniform and optimal, or use --whole") from None
+        return run_ab(
+            args, base, params, _command(args), lambda scheme, sets: _config(args, scheme, sets)
+        )
     order = run_order(args.schemes, args.algorithms, args.repeats)
     log.info(
         "bench: %d runs (%d schemes x %d algorithms x %d repeats) into %s",
@@ -255,7 +323,12 @@ def run(args: argparse.Namespace) -> int:
             planned.algorithm, cfg0.pipeline.num_stages, params[planned.scheme]
         )
         cfg = _config(args, planned.scheme, [*sets, f"job.name={planned.name}"])
-        figures = _train(planned, cfg)
+        splits = {
+            name: static_split(name, cfg0.pipeline.num_stages, params[planned.scheme])
+            for name in args.algorithms
+            if not lookup(name).rebalances
+        }
+        figures = _train(planned, cfg, splits)
         done.append((planned, figures))
         elapsed_s = time.perf_counter() - t_start
         eta_s = elapsed_s / (k + 1) * (len(order) - k - 1)

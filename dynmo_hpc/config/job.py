@@ -79,6 +79,12 @@ class JobConfig:
                 f"elastic.min_stages({self.elastic.min_stages}) > pipeline.num_stages"
                 f"({num_stages}): the job could never pack; HINT: lower elastic.min_stages"
             )
+        if self.balance.ab_period_steps and self.elastic.enabled:
+            raise ConfigError(
+                f"balance.ab_period_steps={self.balance.ab_period_steps} (A/B within one run) "
+                "with elastic.enabled=true: a pack would end the comparison; HINT: set "
+                "elastic.enabled=false for an A/B run"
+            )
         if self.fault.inject_step is not None and self.fault.inject_rank >= num_stages:
             raise ConfigError(
                 f"fault.inject_rank={self.fault.inject_rank} is not a rank of a "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from dynmo_hpc.balance.registry import check_balance_settings
+from dynmo_hpc.balance.registry import ALGORITHMS, STATIC, check_balance_settings
 from dynmo_hpc.config.bounds import (
     MAX_BATCH,
     MAX_SEED,
@@ -195,11 +195,26 @@ class TrainSection:
     """Global gradient-norm clip (across all stages); 0 disables it."""
     log_interval: int = 5
     """Steps between progress lines on rank 0."""
+    steady_state_step: int | None = None
+    """First step of the steady state: the step from which the job's schemes act at full
+    strength. ``dynmo-hpc bench`` reports the ramp (steps before it) and the steady state
+    (this step on) apart. None: half the run (``steps // 2``). Training does not read it."""
+
+    def steady_from_step(self) -> int:
+        """:attr:`steady_state_step`, or half the run when it is not set."""
+        return self.steps // 2 if self.steady_state_step is None else self.steady_state_step
 
     def validate(self) -> None:
         for key in ("steps", "micro_batch_size", "num_microbatches", "log_interval"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+        steady = self.steady_state_step
+        if steady is not None and not 0 <= steady < self.steps:
+            raise ConfigError(
+                f"train.steady_state_step={steady} is not a step of the run (0..{self.steps - 1}); "
+                "HINT: set it to the step from which the schemes act at full strength, or null "
+                "for half the run"
+            )
         at_most("train.steps", self.steps, MAX_STEPS, "a typo? that is years of training")
         for key in ("micro_batch_size", "num_microbatches"):
             at_most(f"train.{key}", getattr(self, key), MAX_BATCH, "a typo? try 8")
@@ -343,6 +358,13 @@ class BalanceSection:
     ``diffusion`` (``optimal`` also repairs a partition over it; ``diffusion`` never crosses it)."""
     force_moves: bool = False
     """Testing: at every report, migrate to a different valid partition regardless of gain."""
+    ab_period_steps: int = 0
+    """Benchmarking (A/B within one run): 0 off. ``k > 0``: the partition alternates every ``k``
+    steps between the static split (arm A, the job's initial partition: ``pipeline.partition``
+    or uniform) and the algorithm's latest plan (arm B), starting with A; the algorithm plans
+    from the measured costs in both arms as if it ran alone (:mod:`dynmo_hpc.pipeline.ab`).
+    Each step's arm is in the run log. A multiple of ``interval`` (the switch migrates at the
+    load report that ends a block); needs a rebalancing algorithm and no elastic packing."""
 
     def validate(self) -> None:
         try:
@@ -358,6 +380,26 @@ class BalanceSection:
         at_most("balance.margin", self.margin, 1000.0, "a typo? 0.1 asks for a 10 % better plan")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ConfigError(f"balance.capacity_bytes={self.capacity_bytes} must be > 0 or null")
+        self._validate_ab()
+
+    def _validate_ab(self) -> None:
+        period = self.ab_period_steps
+        if period == 0:
+            return
+        if period < 0 or period % self.interval:
+            raise ConfigError(
+                f"balance.ab_period_steps={period} must be 0 (off) or a positive multiple of "
+                f"balance.interval={self.interval}; HINT: the arms switch at a load report, e.g. "
+                f"ab_period_steps={2 * self.interval}"
+            )
+        entry = ALGORITHMS.get(self.algorithm)
+        if self.algorithm == STATIC or entry is None or not entry.rebalances or self.force_moves:
+            raise ConfigError(
+                f"balance.ab_period_steps={period} compares the static split with a balancer's "
+                f"plan, but balance.algorithm={self.algorithm}"
+                f"{' with force_moves' if self.force_moves else ''}; HINT: set balance.algorithm "
+                "to a rebalancing algorithm (e.g. optimal) and force_moves=false"
+            )
 
     def validate_for(self, model: ModelSection) -> None:
         """``capacity_bytes`` must hold the largest layer's weights (4-byte floats) at

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.pipeline.ab import ABSwitch
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
     IntervalAccumulator,
@@ -90,6 +92,14 @@ class LoadReporter:
         """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer
         and gather without the load report or migration: the steady pace the packer's model
         predicts (a migration is a one-off, and its time is in the logged step time)."""
+        self.ab: ABSwitch | None = None
+        """Rank 0 of an A/B run (``balance.ab_period_steps``): which partition each block runs."""
+        if cfg.balance.ab_period_steps:
+            # arm A is the job's own split even after a resume into a B block
+            static = cfg.pipeline.partition or uniform(
+                [1.0] * cfg.model.num_layers, cfg.pipeline.num_stages
+            )
+            self.ab = ABSwitch(cfg.balance.ab_period_steps, list(static), list(state.parts))
 
     @property
     def parts(self) -> list[int]:
@@ -227,7 +237,7 @@ class LoadReporter:
             self.cfg.balance,
             report,
             costs_s=costs_s,
-            parts=self.parts,
+            parts=self.parts if self.ab is None else self.ab.dynmo_parts,
             bandwidth_bytes_per_s=self.state.bandwidth_bytes_per_s,
             report_index=self.state.num_reports,
             steps_left=self.cfg.train.steps - (report.step + 1),
@@ -237,4 +247,6 @@ class LoadReporter:
             log.info("step %d: rebalance %s -> %s", report.step + 1, self.parts, plan.new_parts)
         else:
             log.debug("step %d: keep %s: %s", report.step + 1, self.parts, plan.reason)
+        if self.ab is not None:
+            return self.ab.after_decision(report.step, plan.parts_to_enact, self.parts)
         return plan.parts_to_enact

@@ -37,6 +37,7 @@ from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline import checkpoint, restart_events, resume
+from dynmo_hpc.pipeline.ab import ab_arm, wall_s_per_cpu_s
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.data import TextDataset
@@ -343,8 +344,10 @@ class Trainer:
         scheme_events = self.schemes.step_end(step, self.pipeline_stage.slots, self.comm.allgather)
         self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
 
+        layer_cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
         gathered = self.comm.gather(
-            (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s), root=0
+            (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, layer_cpu_s),
+            root=0,
         )
         self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
         reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
@@ -352,30 +355,47 @@ class Trainer:
             self.reporter.report(step)
         step_time_s = time.perf_counter() - t0
         if self.rank == 0:
-            loss = sum(g[0] for g in gathered)
-            tokens_per_s = cfg.tokens_per_step / step_time_s
-            self.result.losses.append(loss)
-            self.result.tokens_per_s.append(tokens_per_s)
-            self.result.step_time_s.append(step_time_s)
-            self.writer.log_step(
-                step=step,
-                loss=loss,
-                step_time_s=step_time_s,
-                tokens_per_s=tokens_per_s,
-                lr=lr,
-                num_stages=cfg.pipeline.num_stages,
-                num_ranks=self.comm.size,
-                num_nodes=self.num_nodes,
-            )
-            self.writer.log_stage_times(
-                step=step, compute_s=[g[2] for g in gathered], idle_s=[g[3] for g in gathered]
-            )
-            for event in scheme_events:
-                self.writer.log_event(step=step, kind=event["kind"], detail=event)
-            log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
-            if reported:
-                self.writer.flush()
+            self._log_step_rank0(step, lr, step_time_s, gathered, scheme_events, reported)
         return stats
+
+    def _log_step_rank0(
+        self,
+        step: int,
+        lr: float,
+        step_time_s: float,
+        gathered: list[tuple[float, float, float, float, float]],
+        scheme_events: list[dict[str, Any]],
+        reported: bool,
+    ) -> None:
+        """Rank 0: the step's row (with its A/B arm and wall/CPU ratio), its stage times and
+        scheme events in the run log; the progress line; a flush after a load report.
+        ``gathered``: per rank, (LM loss, aux loss, compute wall s, idle s, layer CPU s)."""
+        cfg = self.cfg
+        loss = sum(g[0] for g in gathered)
+        tokens_per_s = cfg.tokens_per_step / step_time_s
+        self.result.losses.append(loss)
+        self.result.tokens_per_s.append(tokens_per_s)
+        self.result.step_time_s.append(step_time_s)
+        self.writer.log_step(
+            step=step,
+            loss=loss,
+            step_time_s=step_time_s,
+            tokens_per_s=tokens_per_s,
+            lr=lr,
+            num_stages=cfg.pipeline.num_stages,
+            num_ranks=self.comm.size,
+            num_nodes=self.num_nodes,
+            ab_arm=ab_arm(step, cfg.balance.ab_period_steps),
+            wall_s_per_cpu_s=wall_s_per_cpu_s([g[2] for g in gathered], [g[4] for g in gathered]),
+        )
+        self.writer.log_stage_times(
+            step=step, compute_s=[g[2] for g in gathered], idle_s=[g[3] for g in gathered]
+        )
+        for event in scheme_events:
+            self.writer.log_event(step=step, kind=event["kind"], detail=event)
+        log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
+        if reported:
+            self.writer.flush()
 
     def train(self) -> TrainResult:
         """Run the remaining steps; rank 0's result (other ranks return an empty one).

@@ -166,6 +166,9 @@ def _split_superseded(
     """(authoritative rows, superseded rows) of one table; schema 1 files get the columns."""
     if schema.SEGMENT_COLUMN not in table.columns:
         table[schema.SEGMENT_COLUMN] = 0
+    for column, default in schema.ADDED_COLUMNS.get(name, {}).items():
+        if column not in table.columns:
+            table[column] = default
     if name not in schema.STEP_KEYED_TABLES:
         return table, table.iloc[0:0]
     if schema.SUPERSEDED_COLUMN not in table.columns:
@@ -277,7 +280,10 @@ def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
                 f"{DAMAGED_HINT}"
             )
         fields = getattr(getattr(ds, "dtype", None), "names", None) or ()
-        wanted = [n for n in spec.dtype.names or () if n not in schema.V2_COLUMNS]
+        added = schema.ADDED_COLUMNS.get(spec.name, {})
+        wanted = [
+            n for n in spec.dtype.names or () if n not in schema.V2_COLUMNS and n not in added
+        ]
         if not isinstance(ds, h5py.Dataset) or not set(wanted) <= set(fields):
             raise RunLogError(
                 f"{path} is not a dynmo_hpc run log, or a damaged one: no table /{spec.name} "

@@ -57,6 +57,18 @@ and are never superseded."""
 
 V2_COLUMNS = (SEGMENT_COLUMN, SUPERSEDED_COLUMN)
 """Columns that schema version 1 files lack (readers add them as zeros)."""
+AB_ARM_COLUMN = "ab_arm"
+"""``steps``: the step's arm in an A/B run (0 static split, 1 the balancer's plan; -1 not an
+A/B run). See :mod:`dynmo_hpc.pipeline.ab`."""
+WALL_CPU_COLUMN = "wall_s_per_cpu_s"
+"""``steps``: the step's layers' wall seconds over their thread CPU seconds, largest over the
+ranks (:func:`dynmo_hpc.pipeline.ab.wall_s_per_cpu_s`); NaN where not measured."""
+ADDED_COLUMNS: dict[str, dict[str, float]] = {
+    "steps": {AB_ARM_COLUMN: -1, WALL_CPU_COLUMN: float("nan")}
+}
+"""Columns added within schema version 2, per table, with the value a file written before
+them reads as (readers fill it in; a resumed run's copy of the old rows gets it too). Old
+readers ignore the extra columns, so the version is unchanged."""
 STEP_KEYED_TABLES = ("steps", "stage_times", "layer_costs", "partitions")
 """Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 
@@ -88,6 +100,8 @@ STEPS = TableSpec(
             ("num_nodes", "<i4"),
             ("segment", "<i4"),
             ("superseded", "u1"),
+            ("ab_arm", "i1"),
+            ("wall_s_per_cpu_s", "<f8"),
         ]
     ),
     chunk_rows=1024,
@@ -198,3 +212,18 @@ def attrs_crc32(attrs: dict[str, Any]) -> int:
             value = value.item()
         plain[key] = value.decode() if isinstance(value, bytes) else value
     return zlib.crc32(json.dumps(plain, sort_keys=True).encode())
+
+
+def with_added_columns(name: str, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``rows`` of table ``name`` in ``dtype``: columns it lacks from :data:`ADDED_COLUMNS`
+    get their defaults (a file written before they existed); other columns are copied."""
+    names = rows.dtype.names or ()
+    if names == dtype.names:
+        return rows
+    out = np.zeros(len(rows), dtype=dtype)
+    for column in dtype.names or ():
+        if column in names:
+            out[column] = rows[column]
+        else:
+            out[column] = ADDED_COLUMNS.get(name, {}).get(column, 0)
+    return out

@@ -299,7 +299,7 @@ class RunLogWriter:
         _create_tables(dst)
         segments = [-1]
         for spec in schema.TABLES:
-            rows = read_rows(src[spec.name])
+            rows = schema.with_added_columns(spec.name, read_rows(src[spec.name]), spec.dtype)
             if len(rows):
                 segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
             if redo_from_step is not None and spec.name in schema.STEP_KEYED_TABLES:
@@ -330,8 +330,11 @@ class RunLogWriter:
         num_stages: int,
         num_ranks: int,
         num_nodes: int,
+        ab_arm: int = -1,
+        wall_s_per_cpu_s: float = float("nan"),
     ) -> None:
-        """One row per optimizer step; ``num_ranks``/``num_nodes`` are what the job holds now."""
+        """One row per optimizer step; ``num_ranks``/``num_nodes`` are what the job holds now;
+        ``ab_arm`` and ``wall_s_per_cpu_s``: see :data:`dynmo_hpc.runlog.schema.ADDED_COLUMNS`."""
         self._check_open()
         self._last_step = max(self._last_step, int(step))
         self._buffers[schema.STEPS.name].append(
@@ -347,6 +350,8 @@ class RunLogWriter:
                 int(num_nodes),
                 self._segment,
                 0,
+                int(ab_arm),
+                float(wall_s_per_cpu_s),
             )
         )
         self._rows_added(1)

@@ -1,0 +1,156 @@
+"""A/B bench rows: per scheme, static split and balancer, the ramp and the steady state apart.
+
+Each row pools the repeats of one (scheme, static split, balancer) A/B run
+(:func:`dynmo_hpc.bench.ab.compare_arms`): the gain over the kept steps, its spread over block
+pairs, the pipeline-aware ceiling over the same phase (median over the repeats), and the capture
+``(gain - 1) / (ceiling - 1)``.
+
+Pure: figures in, rows and Markdown out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from dynmo_hpc.bench.ab import ArmComparison, compare_arms, phase_ceiling
+from dynmo_hpc.bench.ceiling import Ceiling, capture
+from dynmo_hpc.bench.summary import algorithm_label
+
+PHASES = ("ramp", "steady")
+"""The ramp (steps before ``train.steady_state_step``) and the steady state (from it on)."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ABRunFigures:
+    """What one A/B run measured (from its run log)."""
+
+    marked: pd.DataFrame
+    """Its steps with ``kept``, ``migration`` and ``noisy`` (:func:`~.ab.mark_steps`)."""
+    ceilings: dict[int, Ceiling]
+    """Per load report: the ceiling over the static split."""
+    losses: list[float]
+    period_steps: int
+    steady_from_step: int
+    num_steps: int
+    tokens_per_step: int
+    num_migrations: int
+    wall_s: float
+    final_parts: list[int] = field(default_factory=list)
+
+    def phase_bounds(self, phase: str) -> tuple[int, int]:
+        """Steps ``[first, end)`` of ``phase``."""
+        if phase == "ramp":
+            return 0, self.steady_from_step
+        return self.steady_from_step, self.num_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class ABRow:
+    """One (scheme, static split, balancer, phase) over its repeats."""
+
+    scheme: str
+    static: str
+    balancer: str
+    phase: str
+    steps: tuple[int, int]
+    """The phase's steps ``[first, end)``."""
+    repeats: int
+    comparison: ArmComparison | None
+    ceiling: float | None
+    tokens_per_step: int
+
+    @property
+    def capture(self) -> float | None:
+        if self.comparison is None or self.ceiling is None:
+            return None
+        return capture(self.comparison.gain, self.ceiling)
+
+
+def ab_rows(scheme: str, static: str, balancer: str, runs: Sequence[ABRunFigures]) -> list[ABRow]:
+    """The ramp and steady-state rows of one (scheme, static split, balancer) over its repeats."""
+    if not runs:
+        raise ValueError("no runs")
+    rows = []
+    for phase in PHASES:
+        first, end = runs[0].phase_bounds(phase)
+        if end <= first:
+            continue
+        comparison = compare_arms([r.marked for r in runs], runs[0].period_steps, first, end)
+        ceilings = [phase_ceiling(r.ceilings, first, end) for r in runs]
+        known = [c for c in ceilings if c is not None]
+        rows.append(
+            ABRow(
+                scheme=scheme,
+                static=static,
+                balancer=balancer,
+                phase=phase,
+                steps=(first, end),
+                repeats=len(runs),
+                comparison=comparison,
+                ceiling=float(np.median(known)) if known else None,
+                tokens_per_step=runs[0].tokens_per_step,
+            )
+        )
+    return rows
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _row_line(row: ABRow) -> str:
+    c = row.comparison
+    head = (
+        f"| {row.scheme} | {algorithm_label(row.static)} | {algorithm_label(row.balancer)} | "
+        f"{row.phase} {row.steps[0]}-{row.steps[1] - 1} |"
+    )
+    if c is None:
+        return head + f" - | - | - | {_num(row.ceiling)} | - | an arm has no kept step here |"
+    low, high = c.spread
+    tps = row.tokens_per_step
+    return head + (
+        f" {tps / c.static_step_s:.0f} | {tps / c.dynmo_step_s:.0f} | "
+        f"{c.gain:.2f} ({low:.2f}-{high:.2f}) | {_num(row.ceiling)} | {_num(row.capture)} | "
+        f"{c.kept[0]}/{c.total[0]}, {c.kept[1]}/{c.total[1]} |"
+    )
+
+
+def render_ab_markdown(
+    rows: Sequence[ABRow],
+    loss_differences: Mapping[str, float],
+    *,
+    command: str,
+    setting: str,
+    noise_factor: float,
+) -> str:
+    """The A/B ``results.md``: one line per row, then the largest loss difference per scheme."""
+    lines = [
+        "# dynmo-hpc bench --ab (A/B within one run)",
+        "",
+        f"Command: `{command}`",
+        "",
+        setting,
+        "",
+        "Each run alternates the static split and the balancer's plan every period of steps; "
+        "both arms ran over the same minutes. tokens/s from the median kept step time of each "
+        "arm (repeats pooled). Steps set aside: a migrating step and the step after it, and "
+        f"noisy steps (wall/CPU ratio above {noise_factor:g} x the run's median). Gain = "
+        "balancer over static split, (25th-75th percentile over block pairs). Ceiling = the "
+        "best contiguous partition's simulated step (fill and drain included) over the static "
+        "split's, on the run's measured costs. Capture = (gain - 1) / (ceiling - 1), '-' where "
+        "the ceiling is under 1.01. Kept = kept/all steps, static arm then balancer arm.",
+        "",
+        "| scheme | static split | balancer | phase (steps) | static tokens/s | "
+        "balancer tokens/s | gain (IQR) | ceiling | capture | kept |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *[_row_line(row) for row in rows],
+        "",
+        "| scheme | max loss diff between the A/B runs |",
+        "| --- | --- |",
+        *[f"| {s} | {d:.2g} |" for s, d in loss_differences.items()],
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,205 @@
+"""``dynmo-hpc bench --ab``: each static split against each balancer inside one run.
+
+For every scheme, repeat, static baseline ``s`` and balancer ``d`` (from ``--algorithms``), one
+job runs with ``pipeline.partition`` set to ``s``'s split, ``balance.algorithm=d`` and
+``balance.ab_period_steps=k``: the partition alternates between ``s``'s split and ``d``'s plan
+every ``k`` steps (:mod:`dynmo_hpc.pipeline.ab`). The runs go in the interleaved order of the
+whole-run bench (pairs rotated from one repeat to the next). The comparison, the ceiling and the
+capture come from each run's log (:mod:`dynmo_hpc.bench.ab`, :mod:`dynmo_hpc.bench.ceiling`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dynmo_hpc.balance import uniform
+from dynmo_hpc.balance.registry import lookup
+from dynmo_hpc.bench.ab import mark_steps, run_ceilings
+from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures, ab_rows, render_ab_markdown
+from dynmo_hpc.bench.algorithms import algorithm_overrides
+from dynmo_hpc.bench.output import write_ab_chart, write_ab_results_h5
+from dynmo_hpc.bench.summary import BenchError, check_same_losses, max_loss_difference
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.errors import DynmoError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ABPlanned:
+    """One A/B run of the bench."""
+
+    repeat: int
+    scheme: str
+    static: str
+    balancer: str
+
+    @property
+    def name(self) -> str:
+        return f"bench_ab_{self.scheme}_{self.balancer}_vs_{self.static}_r{self.repeat}"
+
+
+def ab_order(schemes: list[str], algorithms: list[str], repeats: int) -> list[ABPlanned]:
+    """Every (static baseline, balancer) pair of ``algorithms`` per scheme and repeat, the pairs
+    rotated from one repeat to the next; ValueError when ``algorithms`` lacks either kind."""
+    statics = [a for a in algorithms if not lookup(a).rebalances]
+    balancers = [a for a in algorithms if lookup(a).rebalances]
+    if not statics or not balancers:
+        raise ValueError(
+            f"--ab compares a static split with a balancer, but --algorithms "
+            f"{','.join(algorithms)} lacks {'a static baseline' if not statics else 'a balancer'}"
+        )
+    pairs = [(s, d) for s in statics for d in balancers]
+    order = []
+    for repeat in range(repeats):
+        shift = repeat % len(pairs)
+        rotated = [*pairs[shift:], *pairs[:shift]]
+        for scheme in schemes:
+            order += [ABPlanned(repeat, scheme, s, d) for s, d in rotated]
+    return order
+
+
+def static_parts(cfg: JobConfig) -> list[int]:
+    """Arm A's partition: ``pipeline.partition``, else uniform (as the trainer starts)."""
+    if cfg.pipeline.partition is not None:
+        return list(cfg.pipeline.partition)
+    return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
+
+
+def _period(args: argparse.Namespace, cfg: JobConfig) -> int:
+    return int(args.ab_period) if args.ab_period else 2 * cfg.balance.interval
+
+
+def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRunFigures:
+    from dynmo_hpc.launch.local import run_local
+    from dynmo_hpc.runlog import load as load_runlog
+
+    t0 = time.perf_counter()
+    outcome = run_local(cfg, overwrite=True)
+    wall_s = time.perf_counter() - t0
+    if outcome.exit_code != 0:
+        raise BenchError(
+            f"{planned.name}: training failed with exit code {outcome.exit_code}; its output and "
+            f"run log are in {cfg.run_dir}"
+        )
+    run = load_runlog(cfg.run_dir / "run.h5")
+    migrations = run.events[run.events["kind"] == "migrate"]
+    steps = run.steps.sort_values("step")
+    return ABRunFigures(
+        marked=mark_steps(steps, migrations["step"].tolist(), args.noise_factor),
+        ceilings=run_ceilings(
+            run.layer_costs, static_parts(cfg), cfg.train.num_microbatches, cfg.pipeline.schedule
+        ),
+        losses=[float(v) for v in steps["loss"]],
+        period_steps=cfg.balance.ab_period_steps,
+        steady_from_step=cfg.train.steady_from_step(),
+        num_steps=cfg.train.steps,
+        tokens_per_step=cfg.tokens_per_step,
+        num_migrations=len(migrations),
+        wall_s=wall_s,
+    )
+
+
+def _summarize(
+    args: argparse.Namespace, done: list[tuple[ABPlanned, ABRunFigures]]
+) -> tuple[list[ABRow], dict[str, float], DynmoError | None]:
+    rows: list[ABRow] = []
+    keys = list(dict.fromkeys((p.scheme, p.static, p.balancer) for p, _ in done))
+    for scheme, s, d in keys:
+        runs = [f for p, f in done if (p.scheme, p.static, p.balancer) == (scheme, s, d)]
+        rows += ab_rows(scheme, s, d, runs)
+    differences: dict[str, float] = {}
+    mismatch: DynmoError | None = None
+    for scheme in dict.fromkeys(p.scheme for p, _ in done):
+        for repeat in range(args.repeats):
+            losses = {
+                f"{p.balancer}_vs_{p.static}": f.losses
+                for p, f in done
+                if p.scheme == scheme and p.repeat == repeat
+            }
+            try:
+                check_same_losses(scheme, repeat, losses, args.loss_rtol)
+            except DynmoError as exc:
+                mismatch = mismatch or exc
+            differences[scheme] = max(differences.get(scheme, 0.0), max_loss_difference(losses))
+    return rows, differences, mismatch
+
+
+def _write(
+    args: argparse.Namespace,
+    done: list[tuple[ABPlanned, ABRunFigures]],
+    command: str,
+    setting: str,
+) -> tuple[str, DynmoError | None]:
+    rows, differences, mismatch = _summarize(args, done)
+    text = render_ab_markdown(
+        rows, differences, command=command, setting=setting, noise_factor=args.noise_factor
+    )
+    from dynmo_hpc.atomic_io import atomic_write_text
+
+    atomic_write_text(args.out / "results.md", text)
+    attrs: dict[str, Any] = {"command": command, "repeats": args.repeats, "mode": "ab"}
+    attrs["noise_factor"] = args.noise_factor
+    write_ab_results_h5(args.out / "results.h5", [(p.name, f) for p, f in done], rows, attrs)
+    write_ab_chart(args.out / "results.png", rows)
+    return text, mismatch
+
+
+def ab_setting(args: argparse.Namespace, base: dict[str, JobConfig]) -> str:
+    """The results' header: per scheme, the job and the A/B period and steady-state step."""
+    lines = [f"{args.repeats} repeats, A/B within one run; per scheme:", ""]
+    for scheme, cfg in base.items():
+        lines.append(
+            f"- {scheme}: {cfg.model.num_blocks} blocks, {cfg.pipeline.num_stages} stages, "
+            f"{cfg.train.num_microbatches} microbatches, {cfg.train.steps} steps, balance "
+            f"interval {cfg.balance.interval}, A/B period {_period(args, cfg)} steps, steady "
+            f"state from step {cfg.train.steady_from_step()}"
+        )
+    return "\n".join(lines)
+
+
+def run_ab(
+    args: argparse.Namespace,
+    base: dict[str, JobConfig],
+    params: dict[str, list[int]],
+    command: str,
+    make_config: Callable[[str, list[str]], JobConfig],
+) -> int:
+    """Every A/B run, the results rewritten after each; the table on stdout at the end.
+    ``make_config(scheme, overrides)``: the scheme's bench config with ``overrides``."""
+    order = ab_order(args.schemes, args.algorithms, args.repeats)
+    log.info("bench --ab: %d runs into %s", len(order), args.out)
+    setting = ab_setting(args, base)
+    done: list[tuple[ABPlanned, ABRunFigures]] = []
+    text, mismatch = "", None
+    for k, planned in enumerate(order):
+        cfg0 = base[planned.scheme]
+        sets = algorithm_overrides(planned.static, cfg0.pipeline.num_stages, params[planned.scheme])
+        sets = [s for s in sets if not s.startswith("balance.algorithm=")]
+        sets += [
+            f"balance.algorithm={planned.balancer}",
+            f"balance.ab_period_steps={_period(args, cfg0)}",
+            f"job.name={planned.name}",
+        ]
+        figures = _train(args, planned, make_config(planned.scheme, sets))
+        done.append((planned, figures))
+        log.info(
+            "[%d/%d] %s: %d migrations, %.1f s",
+            k + 1,
+            len(order),
+            planned.name,
+            figures.num_migrations,
+            figures.wall_s,
+        )
+        text, mismatch = _write(args, done, command, setting)
+    sys.stdout.write(text)
+    print(f"wrote {args.out / 'results.md'}, results.h5, results.png")
+    if mismatch is not None:
+        raise mismatch
+    return 0

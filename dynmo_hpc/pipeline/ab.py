@@ -1,0 +1,83 @@
+"""A/B within one run: the partition alternates between the static split and DynMo's plan.
+
+Why: on a shared machine the speed drifts by tens of percent over minutes, so two whole runs
+back to back compare two different machines. Alternating the partition every
+``balance.ab_period_steps`` steps inside one run compares the static split (arm A) and the
+balancer's plan (arm B) over the same minutes. Migration does not change the math (each layer
+computes the same thing on any rank, with its optimizer state), so the run trains exactly the
+model a static run trains; only the step times differ.
+
+Invariants:
+
+- step ``s`` belongs to arm A when ``(s // k) % 2 == 0`` and to arm B otherwise (A first);
+- the balancer plans from the partition *it* chose (:attr:`ABSwitch.dynmo_parts`), with the
+  costs measured in both arms, as if it ran alone; its plan is enacted only in B blocks;
+- the switch happens at the load report of a block's last step (``k`` is a multiple of
+  ``balance.interval``), so that step's time holds the migration.
+
+Pure: no MPI; :class:`dynmo_hpc.pipeline.load_report.LoadReporter` calls it on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NO_ARM = -1
+"""Logged arm of a step that is not part of an A/B run."""
+STATIC_ARM = 0
+"""Arm A: the job's initial (static) partition."""
+DYNMO_ARM = 1
+"""Arm B: the balancer's latest plan."""
+ARM_NAMES = {STATIC_ARM: "static", DYNMO_ARM: "dynmo"}
+
+
+def ab_arm(step: int, period_steps: int) -> int:
+    """The arm of ``step`` (0-based): :data:`NO_ARM` when ``period_steps`` is 0.
+
+    Example: ``[ab_arm(s, 2) for s in range(6)] == [0, 0, 1, 1, 0, 0]``.
+    """
+    if period_steps < 0 or step < 0:
+        raise ValueError(f"period_steps={period_steps} and step={step} must be >= 0")
+    if period_steps == 0:
+        return NO_ARM
+    return (step // period_steps) % 2
+
+
+@dataclass
+class ABSwitch:
+    """Rank 0's A/B state: the static split, the balancer's own partition, the period."""
+
+    period_steps: int
+    static_parts: list[int]
+    """Arm A's partition (the job's initial one)."""
+    dynmo_parts: list[int]
+    """The partition the balancer last chose (it starts where the run starts)."""
+
+    def after_decision(
+        self, step: int, enacted: list[int] | None, in_force: list[int]
+    ) -> list[int] | None:
+        """Record the balancer's decision at the report after ``step`` (``enacted``: its new
+        partition, or None to keep its own); return the partition to migrate to before step
+        ``step + 1`` (that step's arm's partition), or None when it is already in force."""
+        if enacted is not None:
+            self.dynmo_parts = list(enacted)
+        arm = ab_arm(step + 1, self.period_steps)
+        target = self.static_parts if arm == STATIC_ARM else self.dynmo_parts
+        return None if list(target) == list(in_force) else list(target)
+
+
+def wall_s_per_cpu_s(compute_s: list[float], layer_cpu_s: list[float]) -> float:
+    """The step's wall/CPU ratio: per rank, wall seconds in its layers (``compute_s``) over
+    the thread CPU seconds its layer timers measured (``layer_cpu_s``); the largest over the
+    ranks, since one rank slowed by other work holds up the whole pipeline. NaN when no rank
+    measured CPU time (a GPU run's timers measure kernel time instead: the ratio is still
+    wall over measured, but no longer about CPU sharing).
+
+    About 1.0 on a core of its own; 2.0 when the rank got half a core (another process ran).
+
+    Example: ``wall_s_per_cpu_s([1.0, 3.0], [1.0, 2.0]) == 1.5``.
+    """
+    if len(compute_s) != len(layer_cpu_s):
+        raise ValueError("compute_s and layer_cpu_s need one entry per rank")
+    ratios = [w / c for w, c in zip(compute_s, layer_cpu_s, strict=True) if c > 0]
+    return max(ratios) if ratios else float("nan")

@@ -1,0 +1,220 @@
+"""A/B within one run (``balance.ab_period_steps``): the arms, the switch, the run log columns.
+
+The pure parts (which arm a step is in, when the switch migrates, the wall/CPU ratio) are
+checked on hand-made inputs; then a real 2-rank run in A/B mode must train exactly what a static
+run trains (bitwise losses: migration is invisible to the math), run each block on its arm's
+partition, and log every step's arm and wall/CPU ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dynmo_hpc.bench.ab import compare_arms, mark_steps
+from dynmo_hpc.bench.summary import algorithm_label
+from dynmo_hpc.errors import ConfigError
+from dynmo_hpc.pipeline.ab import (
+    DYNMO_ARM,
+    NO_ARM,
+    STATIC_ARM,
+    ABSwitch,
+    ab_arm,
+    wall_s_per_cpu_s,
+)
+from dynmo_hpc.runlog import load
+from tests.helpers.jobs import run_job, tiny_config
+
+
+def test_arms_alternate_every_period_starting_with_the_static_split() -> None:
+    assert [ab_arm(s, 2) for s in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [ab_arm(s, 3) for s in range(7)] == [0, 0, 0, 1, 1, 1, 0]
+    assert ab_arm(5, 0) == NO_ARM
+    with pytest.raises(ValueError):
+        ab_arm(-1, 2)
+
+
+def test_switch_migrates_to_the_next_steps_arm_and_keeps_the_balancers_own_plan() -> None:
+    switch = ABSwitch(2, static_parts=[0, 3, 6], dynmo_parts=[0, 3, 6])
+    # report after step 1 (arm A); the balancer plans [0, 4, 6]; step 2 is arm B: go there
+    assert switch.after_decision(1, [0, 4, 6], [0, 3, 6]) == [0, 4, 6]
+    # report after step 3 (arm B), the balancer keeps its plan; step 4 is arm A: back
+    assert switch.after_decision(3, None, [0, 4, 6]) == [0, 3, 6]
+    assert switch.dynmo_parts == [0, 4, 6]
+    # a plan made during an A block is remembered but not enacted until the next B block
+    switch2 = ABSwitch(4, static_parts=[0, 3, 6], dynmo_parts=[0, 3, 6])
+    assert switch2.after_decision(1, [0, 5, 6], [0, 3, 6]) is None
+    assert switch2.after_decision(3, None, [0, 3, 6]) == [0, 5, 6]
+    # nothing to do when the arm's partition is already in force
+    assert switch.after_decision(5, None, [0, 4, 6]) is None
+
+
+def test_wall_cpu_ratio_is_the_worst_rank_and_nan_without_cpu_time() -> None:
+    assert wall_s_per_cpu_s([1.0, 3.0], [1.0, 2.0]) == 1.5
+    assert wall_s_per_cpu_s([2.0, 1.0], [1.0, 1.0]) == 2.0
+    assert math.isnan(wall_s_per_cpu_s([1.0], [0.0]))
+    with pytest.raises(ValueError):
+        wall_s_per_cpu_s([1.0], [1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["balance.algorithm=optimal", "balance.ab_period_steps=3"], "multiple of"),
+        (["balance.algorithm=static", "balance.ab_period_steps=2"], "rebalancing algorithm"),
+        (["balance.algorithm=uniform", "balance.ab_period_steps=2"], "rebalancing algorithm"),
+        (
+            ["balance.algorithm=optimal", "balance.ab_period_steps=2", "elastic.enabled=true"],
+            "elastic.enabled=false",
+        ),
+        (["train.steady_state_step=4"], "steady_state_step=4 is not a step"),
+    ],
+)
+def test_bad_ab_settings_are_refused_with_a_hint(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, *overrides)
+
+
+IMBALANCED = ["model.layer_d_ff=[16, 16, 16, 2048]", "train.steps=8", "balance.interval=2"]
+"""The last block 128x wider than the others: the balancer's plan leaves uniform's split."""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_ab_run_trains_what_a_static_run_trains_and_logs_its_arms(tmp_path: Path) -> None:
+    static_cfg = tiny_config(tmp_path, *IMBALANCED, "job.name=static")
+    ab_cfg = tiny_config(
+        tmp_path,
+        *IMBALANCED,
+        "job.name=ab",
+        "balance.algorithm=optimal",
+        "balance.margin=0",
+        "balance.ab_period_steps=2",
+    )
+    static = run_job(static_cfg)
+    ab = run_job(ab_cfg)
+    assert ab["losses"] == static["losses"]  # bitwise: the partition never changes the math
+
+    run = load(ab_cfg.run_dir / "run.h5")
+    steps = run.steps.sort_values("step")
+    assert steps["ab_arm"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert all(math.isfinite(k) and k > 0 for k in steps["wall_s_per_cpu_s"])
+    static_parts = [0, 3, 6]
+    # the partition logged at each report is the one its block ran on
+    assert run.parts_at(1) == static_parts and run.parts_at(5) == static_parts
+    assert run.parts_at(3) != static_parts and run.parts_at(7) != static_parts
+    migrations = run.events[run.events["kind"] == "migrate"]
+    assert migrations["step"].tolist() == [1, 3, 5]  # into B, back to A, into B
+    assert migrations["detail"].iloc[1]["new_parts"] == static_parts
+
+    plain = load(static_cfg.run_dir / "run.h5").steps
+    assert (plain["ab_arm"] == NO_ARM).all()
+    assert {STATIC_ARM, DYNMO_ARM} == set(steps["ab_arm"])
+
+
+def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``dynmo-hpc bench --ab`` on the tiny imbalanced model: two A/B runs (uniform and the
+    parameter split, each against optimal), the table with its ramp and steady rows, the same
+    losses in both runs, the three files. Structure only: no speed is asserted."""
+    from dynmo_hpc.cli import main
+    from tests.helpers.jobs import ROOT, TINY
+
+    out = tmp_path / "bench"
+    skip = ("train.steps", "balance.algorithm", "balance.interval")
+    sets = [s for item in TINY if not item.startswith(skip) for s in ("--set", item)]
+    sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
+    argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "uniform,parameters,optimal"]
+    argv += ["--repeats", "1", "--steps", "12", "--ab-period", "4", "--out", str(out)]
+    argv += ["--jobs-dir", str(ROOT / "jobs"), *sets]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    text = (out / "results.md").read_text()
+    assert text in printed
+    header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
+    assert header in text
+    rows = [line for line in text.splitlines() if line.startswith("| plain |")]
+    # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
+    labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
+    uniform, parameters, optimal = (
+        algorithm_label(a) for a in ("uniform", "parameters", "optimal")
+    )
+    assert labels == [
+        (uniform, optimal, "ramp 0-5"),
+        (uniform, optimal, "steady 6-11"),
+        (parameters, optimal, "ramp 0-5"),
+        (parameters, optimal, "steady 6-11"),
+    ]
+    for row in rows[:4]:
+        ceiling = row.split("|")[8].strip()
+        assert ceiling == "-" or float(ceiling) >= 1.0
+    assert rows[4].endswith("| 0 |")  # the two runs trained the same model, bit for bit
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import h5py
+
+    with h5py.File(out / "results.h5", "r") as f:
+        run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
+        assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+        assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
+
+
+def test_bench_ab_refuses_algorithms_without_a_static_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dynmo_hpc.cli import main
+    from tests.helpers.jobs import ROOT
+
+    argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "optimal,diffusion"]
+    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lacks a static baseline" in err and "HINT" in err
+
+
+def _steps(step_time_s: list[float], ratios: list[float], period: int) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "step": range(len(step_time_s)),
+            "step_time_s": step_time_s,
+            "wall_s_per_cpu_s": ratios,
+            "ab_arm": [ab_arm(s, period) for s in range(len(step_time_s))],
+        }
+    )
+
+
+def test_noise_rule_and_migrations_set_steps_aside() -> None:
+    # period 4; migrations after steps 3 and 7 (the switches); step 9 ran on a shared core
+    times = [1.0, 1.0, 1.0, 5.0, 3.0, 0.8, 0.8, 4.0, 1.0, 9.0, 1.0, 1.0]
+    ratios = [1.0] * 12
+    ratios[9] = 1.25  # above 1.2 x the median 1.0
+    marked = mark_steps(_steps(times, ratios, 4), [3, 7])
+    assert marked["migration"].tolist() == [
+        False, False, False, True, True, False, False, True, True, False, False, False,
+    ]  # fmt: skip
+    assert marked["noisy"].tolist() == [s == 9 for s in range(12)]
+    assert marked["kept"].sum() == 7
+    comparison = compare_arms([marked], 4, 0, 12)
+    assert comparison is not None
+    assert comparison.kept == (5, 2) and comparison.total == (8, 4)
+    assert comparison.static_step_s == 1.0 and comparison.dynmo_step_s == 0.8
+    assert comparison.gain == pytest.approx(1.25)
+    # pair 0 (steps 0-7) has both arms; pair 1 (steps 8-11) has no balancer step
+    assert comparison.block_gains == [pytest.approx(1.25)]
+    # the phase bounds cut the steps: the steady state 8-11 has no balancer step at all
+    assert compare_arms([marked], 4, 8, 12) is None
+    # a looser rule keeps step 9, and a pooled repeat adds its pair
+    loose = mark_steps(_steps(times, ratios, 4), [3, 7], noise_factor=1.3)
+    assert loose["kept"].sum() == 8
+    pooled = compare_arms([marked, marked], 4, 0, 12)
+    assert pooled is not None and pooled.kept == (10, 4) and len(pooled.block_gains) == 2
+    with pytest.raises(ValueError):
+        mark_steps(_steps(times, ratios, 4), [], noise_factor=0.5)
+
+
+def test_steps_without_a_ratio_are_never_noisy() -> None:
+    marked = mark_steps(_steps([1.0, 1.0], [float("nan"), float("nan")], 1), [])
+    assert marked["kept"].tolist() == [True, True]
