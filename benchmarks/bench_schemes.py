@@ -60,7 +60,9 @@ def run_scheme(
         "train.log_interval=1000",
     ]
     if steps is not None:
-        sets.append(f"train.steps={steps}")
+        # This script reads block costs, not the steady state; a shortened run may end before
+        # the job's declared steady_state_step, which the config would refuse.
+        sets += [f"train.steps={steps}", "train.steady_state_step=null"]
     cfg = config_mod.load(job, [*sets, *overrides])
     rc, run_dir = launch_local(cfg)
     if rc != 0:

@@ -169,7 +169,19 @@ def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfi
         )
     sets = [*BENCH_SETS, f"job.out_dir={args.out / 'runs'}"]
     if args.steps is not None:
+        # A shorter run than the job's ramp has no steady state of its own: fall back to the
+        # default (the second half of the run) rather than refuse the job.
+        declared = load_config(job, [*sets, *args.overrides, *extra]).train.steady_state_step
         sets.append(f"train.steps={args.steps}")
+        if declared is not None and declared >= args.steps:
+            log.warning(
+                "%s: --steps %d ends before the job's steady state (step %d); the steady "
+                "state is the second half of this shorter run",
+                scheme,
+                args.steps,
+                declared,
+            )
+            sets.append("train.steady_state_step=null")
     return load_config(job, [*sets, *args.overrides, *extra])
 
 

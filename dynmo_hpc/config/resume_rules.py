@@ -50,6 +50,7 @@ KEY_RULES: dict[str, KeyRule] = {
     "train": KeyRule.MATH,  # lr, min_lr, warmup, AdamW betas / weight decay, clip, batch shape
     "train.steps": KeyRule.STEPS,
     "train.log_interval": KeyRule.FREE,
+    "train.steady_state_step": KeyRule.FREE,
     "pipeline": KeyRule.FREE,  # stages and partition: the losses do not depend on them
     "runtime": KeyRule.FREE,
     "balance": KeyRule.FREE,  # migration moves layers with their state, invisible to the math
