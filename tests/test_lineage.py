@@ -298,3 +298,36 @@ def test_manifest_crc_is_checked_on_the_bytes_a_rank_loads(tmp_path):
     assert entry["crc32"] == zlib.crc32((directory / name).read_bytes())
     with pytest.raises(CheckpointError, match="CRC-32"):
         checkpoint.load_layer(directory, 0, {**entry, "crc32": entry["crc32"] ^ 1})
+
+
+def test_the_root_entries_are_fsynced_before_an_old_checkpoint_is_pruned(tmp_path, monkeypatch):
+    """Issue 26: old checkpoints were deleted right after a new manifest was written, with the
+    directory entries never fsynced. Records every fsync of a directory and every removal: the
+    checkpoint root must be fsynced after the new step's manifest and before the old step goes."""
+    import os
+    import shutil
+    import stat
+
+    root = checkpoint.checkpoint_root(tmp_path / "run")
+    _fake(root, 2, keep=1)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(("remove", os.path.realpath(path)))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    _fake(root, 4, keep=1)
+    assert _names(root) == ["step_4"]
+    removed = events.index(("remove", os.path.realpath(root / "step_2")))
+    manifest_dir = events.index(("fsync", os.path.realpath(root / "step_4")))
+    root_synced = [i for i, e in enumerate(events) if e == ("fsync", os.path.realpath(root))]
+    assert manifest_dir < removed, events
+    assert any(manifest_dir < i < removed for i in root_synced), events
