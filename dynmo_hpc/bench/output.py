@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -102,15 +103,14 @@ def write_chart(path: Path, rows: Mapping[str, Mapping[str, AlgorithmRow]]) -> N
             capsize=2,
             label=algorithm_label(algorithm),
         )
-    ax.set_xticks(range(len(schemes)))
-    ax.set_xticklabels(schemes, rotation=20)
-    ax.set_ylabel("tokens/s (median, min-max)")
-    ax.set_title("dynmo-hpc bench: throughput per scheme and algorithm")
-    ax.legend(fontsize="small")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
-    atomic_write_bytes(path, buffer.getvalue())
+    _finish_chart(
+        figure,
+        ax,
+        path,
+        schemes,
+        "tokens/s (median, min-max)",
+        "dynmo-hpc bench: throughput per scheme and algorithm",
+    )
 
 
 def write_ab_results_h5(
@@ -206,10 +206,24 @@ def write_ab_chart(path: Path, rows: Sequence[ABRow]) -> None:
             color=bars.patches[0].get_facecolor() if bars.patches else None,
         )
     ax.axhline(1.0, color="black", linewidth=0.8)
+    _finish_chart(
+        figure,
+        ax,
+        path,
+        schemes,
+        "steady-state gain (IQR); tick: ceiling",
+        "dynmo-hpc bench --ab: balancer over static split, same run",
+    )
+
+
+def _finish_chart(
+    figure: Figure, ax: Any, path: Path, schemes: list[str], ylabel: str, title: str
+) -> None:
+    """Label a per-scheme bar chart and write it as a PNG, atomically."""
     ax.set_xticks(range(len(schemes)))
     ax.set_xticklabels(schemes, rotation=20)
-    ax.set_ylabel("steady-state gain (IQR); tick: ceiling")
-    ax.set_title("dynmo-hpc bench --ab: balancer over static split, same run")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize="small")
     figure.tight_layout()
     buffer = io.BytesIO()

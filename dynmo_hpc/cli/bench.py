@@ -43,7 +43,7 @@ from dynmo_hpc.bench.summary import (
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.cli.bench_ab import ab_order, run_ab
+from dynmo_hpc.cli.bench_ab import ab_order, run_ab, train_run
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -188,18 +188,7 @@ def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfi
 def _train(planned: PlannedRun, cfg: JobConfig, splits: dict[str, list[int]]) -> RunFigures:
     """Train one run; its figures, with the steady-state ceiling over each of ``splits``
     (static baseline -> its split)."""
-    from dynmo_hpc.launch.local import run_local
-    from dynmo_hpc.runlog import load as load_runlog
-
-    t0 = time.perf_counter()
-    outcome = run_local(cfg, overwrite=True)
-    wall_s = time.perf_counter() - t0
-    if outcome.exit_code != 0:
-        raise BenchError(
-            f"{planned.name}: training failed with exit code {outcome.exit_code}; its output and "
-            f"run log are in {cfg.run_dir}"
-        )
-    runlog = load_runlog(cfg.run_dir / "run.h5")
+    runlog, wall_s = train_run(planned.name, cfg)
     return run_figures(
         steps=runlog.steps,
         layer_costs=runlog.layer_costs,

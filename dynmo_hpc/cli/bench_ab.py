@@ -76,7 +76,9 @@ def _period(args: argparse.Namespace, cfg: JobConfig) -> int:
     return int(args.ab_period) if args.ab_period else 2 * cfg.balance.interval
 
 
-def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRunFigures:
+def train_run(name: str, cfg: JobConfig) -> tuple[Any, float]:
+    """Train one bench run on local ranks (replacing an earlier run of the same name); its run
+    log and wall seconds. A failed run is a :class:`BenchError` naming where its output is."""
     from dynmo_hpc.launch.local import run_local
     from dynmo_hpc.runlog import load as load_runlog
 
@@ -85,10 +87,14 @@ def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRu
     wall_s = time.perf_counter() - t0
     if outcome.exit_code != 0:
         raise BenchError(
-            f"{planned.name}: training failed with exit code {outcome.exit_code}; its output and "
+            f"{name}: training failed with exit code {outcome.exit_code}; its output and "
             f"run log are in {cfg.run_dir}"
         )
-    run = load_runlog(cfg.run_dir / "run.h5")
+    return load_runlog(cfg.run_dir / "run.h5"), wall_s
+
+
+def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRunFigures:
+    run, wall_s = train_run(planned.name, cfg)
     migrations = run.events[run.events["kind"] == "migrate"]
     steps = run.steps.sort_values("step")
     return ABRunFigures(
