@@ -1,9 +1,9 @@
 """A/B bench rows: per scheme, static split and balancer, the ramp and the steady state apart.
 
 Each row pools the repeats of one (scheme, static split, balancer) A/B run
-(:func:`dynmo_hpc.bench.ab.compare_arms`): the gain over the kept steps, its spread over block
-pairs, the pipeline-aware ceiling over the same phase (median over the repeats), and the capture
-``(gain - 1) / (ceiling - 1)``.
+(:func:`dynmo_hpc.bench.ab.compare_arms`): the gain (median over adjacent block pairs) and its
+spread (their quartiles), the pipeline-aware ceiling over the same phase with the run's measured
+overheads (median over the repeats), and the capture ``(gain - 1) / (ceiling - 1)``.
 
 Pure: figures in, rows and Markdown out.
 """
@@ -139,13 +139,16 @@ def render_ab_markdown(
         "both arms ran over the same minutes. tokens/s from the median kept step time of each "
         "arm (repeats pooled). Steps set aside: a migrating step and the step after it, and "
         f"noisy steps (wall/CPU ratio above {noise_factor:g} x the run's median). Gain = "
-        "balancer over static split, (25th-75th percentile over block pairs). Ceiling = the "
-        "best contiguous partition's simulated step (fill and drain included) over the static "
-        "split's, on the run's measured costs. Capture = (gain - 1) / (ceiling - 1), '-' where "
-        "the ceiling is under 1.01. Kept = kept/all steps, static arm then balancer arm.",
+        "balancer over static split: the median, over adjacent pairs of blocks (one per arm), "
+        "of static block median step time / balancer block median step time, (25th-75th "
+        "percentile over the same pairs). Ceiling = the best contiguous partition's simulated "
+        "step over the static split's, on the run's measured per-layer costs plus its measured "
+        "time besides the layers (per stage, and after the schedule), fill and drain included. "
+        "Capture = (gain - 1) / (ceiling - 1), '-' where the ceiling is under 1.01. Kept = "
+        "kept/all steps, static arm then balancer arm.",
         "",
         "| scheme | static split | balancer | phase (steps) | static tokens/s | "
-        "balancer tokens/s | gain (IQR) | ceiling | capture | kept |",
+        "balancer tokens/s | gain (IQR over pairs) | ceiling | capture | kept |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[_row_line(row) for row in rows],
         "",
