@@ -153,7 +153,11 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert text in printed
     header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
     assert header in text
-    rows = [line for line in text.splitlines() if line.startswith("| plain |")]
+    headline, detail = text.split("Every run, one line per phase:")
+    heads = [line for line in headline.splitlines() if line.startswith("| plain |")]
+    assert [h.split("|")[2].strip() for h in heads] == ["ramp 0-5", "steady 6-11"]
+    assert all(len(h.split("|")) == 8 for h in heads)  # uniform, parameters, optimal, ceiling
+    rows = [line for line in detail.splitlines() if line.startswith("| plain |")]
     # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
     labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
     uniform, parameters, optimal = (
@@ -293,3 +297,44 @@ def test_overheads_measured_from_the_run_and_priced_per_stage() -> None:
     # tails: 1.0 - max(0.8, 0.8) = 0.2 and 1.1 - max(0.9, 0.9) = 0.2
     assert overheads.tail_s == pytest.approx(0.2) and overheads.poll_max_s == 1e-3
     assert report_overheads(marked, stage_times, costs, [0, 1, 3], (2, 3)) is None
+
+
+def test_headline_puts_each_balancer_against_the_reference_split() -> None:
+    """One line per scheme and phase: the reference split's tokens/s, another static split's
+    from its own runs, each balancer's tokens/s with its gain over the reference, its spread and
+    capture, and the ceiling over the reference."""
+    from dynmo_hpc.bench.ab import ArmComparison
+    from dynmo_hpc.bench.ab_summary import ABRow, render_ab_headline
+
+    def row(
+        static: str, balancer: str, static_s: float, dynmo_s: float, gains: list[float]
+    ) -> ABRow:
+        comparison = ArmComparison(
+            static_step_s=static_s,
+            dynmo_step_s=dynmo_s,
+            block_gains=gains,
+            kept=(8, 8),
+            total=(10, 10),
+        )
+        return ABRow(
+            scheme="pruning", static=static, balancer=balancer, phase="steady", steps=(25, 120),
+            repeats=1, comparison=comparison, ceiling=1.25, tokens_per_step=1000,
+        )  # fmt: skip
+
+    rows = [
+        row("uniform", "optimal", 0.5, 0.4, [1.1, 1.2, 1.3]),
+        row("uniform", "diffusion", 0.5, 0.45, [1.0, 1.1, 1.2]),
+        row("parameters", "optimal", 0.25, 0.2, [1.2]),
+    ]
+    lines = render_ab_headline(rows)
+    header = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert header[2:] == [
+        algorithm_label("uniform"), algorithm_label("parameters"), algorithm_label("optimal"),
+        algorithm_label("diffusion"), "ceiling over uniform",
+    ]  # fmt: skip
+    cells = [c.strip() for c in lines[4].split("|")[1:-1]]
+    assert cells[:2] == ["pruning", "steady 25-119"]
+    assert cells[2] == "2000" and cells[3] == "4000"  # arm A of each static split's runs
+    assert cells[4] == "2500: 1.20x (1.15-1.25), capture 0.80"
+    assert cells[5].startswith("2222: 1.10x (1.05-1.15), capture 0.40")
+    assert cells[6] == "1.25"
