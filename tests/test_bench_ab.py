@@ -180,6 +180,13 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
         assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
         assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
+    # the breakdown of a run's gain reads its log: both arms priced, B's partition checked
+    from benchmarks.ab_breakdown import breakdown
+
+    lines = breakdown(out / "runs" / "bench_ab_plain_optimal_vs_uniform_r0")
+    assert lines[0].endswith("steady state from step 6, A/B period 4 steps")
+    assert any(line.startswith("arm A (") and "measured/model" in line for line in lines)
+    assert any(line.startswith("ceiling, with measured overheads: ") for line in lines)
 
 
 def test_bench_ab_refuses_algorithms_without_a_static_split(
