@@ -345,3 +345,39 @@ def test_headline_puts_each_balancer_against_the_reference_split() -> None:
     assert cells[4] == "2500: 1.20x (1.15-1.25), capture 0.80"
     assert cells[5].startswith("2222: 1.10x (1.05-1.15), capture 0.40")
     assert cells[6] == "1.25"
+
+
+def test_run_ceilings_price_each_report_with_its_intervals_overheads() -> None:
+    """Two reports (steps 1 and 3) on [0, 1, 2]; the run spent 1 s per step after the schedule,
+    which every partition pays, so the ceiling with it is lower than on layer compute alone."""
+    from dynmo_hpc.bench.ab import RunTimes, parts_at_reports, run_ceilings
+
+    costs = pd.DataFrame(
+        {
+            "step": [1, 1, 3, 3],
+            "layer": [0, 1, 0, 1],
+            "forward_s": [1.0, 3.0, 1.0, 3.0],
+            "backward_s": [0.0] * 4,
+        }
+    )
+    partitions = pd.DataFrame(
+        {"step": [1, 1, 3, 3], "stage": [0, 1, 0, 1], "end_layer": [1, 2, 1, 2]}
+    )
+    assert parts_at_reports(partitions) == {1: [0, 1, 2], 3: [0, 1, 2]}
+    marked = mark_steps(_steps([5.0, 5.0, 5.0, 5.0], [1.0] * 4, 0), [])
+    stage_times = pd.DataFrame(
+        {
+            "step": [s for s in range(4) for _ in (0, 1)],
+            "stage": [0, 1] * 4,
+            "compute_s": [1.0, 3.0] * 4,
+            "idle_s": [3.0, 1.0] * 4,
+        }
+    )
+    times = RunTimes(
+        marked=marked, stage_times=stage_times, parts_at_report=parts_at_reports(partitions)
+    )
+    plain = run_ceilings(costs, [0, 1, 2], 1, "1f1b")
+    honest = run_ceilings(costs, [0, 1, 2], 1, "1f1b", times)
+    # one microbatch through both stages: 4 s on any 2-stage split of 2 layers; plus the tail 1
+    assert plain[1].static_step_s == 4.0 and honest[1].static_step_s == 5.0
+    assert honest[3].static_step_s == 5.0
