@@ -109,7 +109,8 @@ def _row_line(row: ABRow) -> str:
         f"{row.phase} {row.steps[0]}-{row.steps[1] - 1} |"
     )
     if c is None:
-        return head + f" - | - | - | {_num(row.ceiling)} | - | an arm has no kept step here |"
+        missing = "no adjacent pair of blocks with kept steps in both arms"
+        return head + f" - | - | - | {_num(row.ceiling)} | - | {missing} |"
     low, high = c.spread
     tps = row.tokens_per_step
     return head + (
