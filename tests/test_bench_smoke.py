@@ -29,6 +29,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 """The optional benchmark env with DeepSpeed (``make bench-env``)."""
 
 COVERED_ELSEWHERE = {
+    "ab_breakdown.py": "tests/test_bench_ab.py (on the end-to-end bench's A/B run)",
     "bench_checkpoint.py": "tests/test_bench_checkpoint.py",
     "bench_migration.py": "tests/test_bench_migration.py",
     "stress_runlog_kill.py": "tests/test_runlog_torn_chunk.py",
