@@ -180,10 +180,19 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
         assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
         assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
-    # the breakdown of a run's gain reads its log: both arms priced, B's partition checked
-    from benchmarks.ab_breakdown import breakdown
+    # benchmarks/ab_breakdown.py reads a run's log: both arms priced, B's partition checked
+    import os
+    import subprocess
+    import sys
 
-    lines = breakdown(out / "runs" / "bench_ab_plain_optimal_vs_uniform_r0")
+    script = ROOT / "benchmarks" / "ab_breakdown.py"
+    run_dir = out / "runs" / "bench_ab_plain_optimal_vs_uniform_r0"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
     assert lines[0].endswith("steady state from step 6, A/B period 4 steps")
     assert any(line.startswith("arm A (") and "measured/model" in line for line in lines)
     assert any(line.startswith("ceiling, with measured overheads: ") for line in lines)
