@@ -266,3 +266,12 @@ def test_optional_rates_round_trip_and_are_checked(tmp_path: Path) -> None:
     (tmp_path / "zero.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"layer_indexed_bytes_per_s=0.0 must be > 0"):
         load_machine(tmp_path / "zero.json")
+
+
+def test_a_linear_with_a_bias_sums_its_output_gradient() -> None:
+    fc = layer_cost(BLOCK).ops["mlp_fc"]
+    assert fc.wgrad_bytes == fc.forward_bytes + (N * 256 + 256) * 4  # dY read again, db written
+    assert fc.dgrad_bytes == fc.forward_bytes
+    head = LayerShape(kind="head", d_model=64, seq_len=128, micro_batch=2)
+    lm_head = layer_cost(head).ops["lm_head"]  # bias=False in the model
+    assert lm_head.wgrad_bytes == lm_head.forward_bytes

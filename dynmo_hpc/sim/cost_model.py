@@ -11,8 +11,9 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
 
 - FLOPs count the matmuls only, 2 per multiply-add (``2 m k n`` for an ``(m, k) @ (k, n)``);
   LayerNorm, GELU, softmax and residual adds are counted in bytes (they are memory-bound), so
-  the fitted bytes rate absorbs their few FLOPs per element. Biases are left out (one add per
-  output, next to ``k`` multiply-adds);
+  the fitted bytes rate absorbs their few FLOPs per element. Biases add no FLOPs (one add per
+  output, next to ``k`` multiply-adds), but a bias's gradient re-reads the output's gradient
+  (bytes, in the weight-gradient half);
 - bytes are float32 values read and written, each operand once per kernel: a matmul reads its two
   inputs and writes its output; an elementwise operation reads and writes one tensor forward and
   reads two (its saved input, the output's gradient) and writes one backward; attention is fused
@@ -200,14 +201,16 @@ class LayerCost:
     """Operations with backward work (0 in a frozen prefix)."""
 
 
-def matmul(m: float, k: float, n: float, *, weight: bool = True) -> OpCost:
+def matmul(m: float, k: float, n: float, *, weight: bool = True, bias: bool = False) -> OpCost:
     """``(m, k) @ (k, n)``: 2 m k n FLOPs, the three operands' bytes, per pass; a weight-less
-    product has no weight-gradient part."""
+    product has no weight-gradient part. With a ``bias`` (``nn.Linear``'s default), the weight
+    gradient also sums the output's gradient over the rows: ``m n`` values read again."""
     flops = 2.0 * m * k * n
     nbytes = (m * k + k * n + m * n) * BYTES_PER_VALUE
     if not weight:
         return OpCost(flops, nbytes, 2 * flops, 2 * nbytes)
-    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes)
+    bias_bytes = (m * n + n) * BYTES_PER_VALUE if bias else 0.0
+    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes + bias_bytes)
 
 
 def elementwise(elements: float) -> OpCost:
@@ -297,9 +300,9 @@ def block_sparse_attention(
 
 def _feed_forward(rows: float, d_model: int, d_ff: float, prefix: str) -> dict[str, OpCost]:
     return {
-        f"{prefix}fc": matmul(rows, d_model, d_ff),
+        f"{prefix}fc": matmul(rows, d_model, d_ff, bias=True),
         f"{prefix}gelu": elementwise(rows * d_ff),
-        f"{prefix}proj": matmul(rows, d_ff, d_model),
+        f"{prefix}proj": matmul(rows, d_ff, d_model, bias=True),
     }
 
 
@@ -366,10 +369,10 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
     d_ff = state.neurons_kept * shape.d_ff
     ops = {
         "ln_1": elementwise(n_kv * c),
-        "q": matmul(n_q, c, width),
-        "kv": matmul(n_kv, c, 2 * width),
+        "q": matmul(n_q, c, width, bias=True),
+        "kv": matmul(n_kv, c, 2 * width, bias=True),
         **_attention(shape, state, t_q, t_kv),
-        "attn_proj": matmul(n_q, width, c),
+        "attn_proj": matmul(n_q, width, c, bias=True),
         "residual_1": elementwise(n_q * c),
         "ln_2": elementwise(n_q * c),
         **_token_selection(shape, state),
