@@ -82,6 +82,13 @@ def samples_to_json(samples: list[Sample]) -> list[dict[str, Any]]:
     return [dataclasses.asdict(s) for s in samples]
 
 
+def samples_text(measured_with: dict[str, Any], samples: list[Sample]) -> str:
+    """The samples file: one sample a line, so that a diff shows which layers changed."""
+    lines = ",\n".join("  " + json.dumps(s, sort_keys=True) for s in samples_to_json(samples))
+    head = json.dumps(measured_with, sort_keys=True)
+    return f'{{\n "measured_with": {head},\n "samples": [\n{lines}\n ]\n}}\n'
+
+
 def samples_from_json(data: list[dict[str, Any]]) -> list[Sample]:
     out = []
     for item in data:
@@ -140,8 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     if args.from_samples:
-        saved = json.loads(args.from_samples.read_text())
-        samples = samples_from_json(saved["samples"])
+        try:
+            saved = json.loads(args.from_samples.read_text())
+            samples = samples_from_json(saved["samples"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"error: cannot read samples from {args.from_samples}: {exc!r}; HINT: give a "
+                "file this script wrote with --samples-out",
+                file=sys.stderr,
+            )
+            return 2
         measured_with = saved.get("measured_with", {})
     else:
         load_before = [round(v, 2) for v in os.getloadavg()]
@@ -153,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_1_5_15_after": [round(v, 2) for v in os.getloadavg()],
         }
     if args.samples_out:
-        payload = {"measured_with": measured_with, "samples": samples_to_json(samples)}
-        atomic_write_text(args.samples_out, json.dumps(payload, indent=1) + "\n")
+        atomic_write_text(args.samples_out, samples_text(measured_with, samples))
     try:
         fit_on, held = split_width(samples, args.hold_out)
         rates = fit_rates(fit_on)
