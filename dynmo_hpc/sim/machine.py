@@ -69,15 +69,27 @@ class LayerRates:
     """Sustained memory bytes per second of one rank."""
     overhead_s: float = 0.0
     """Seconds per layer per pass (forward or backward): Python, dispatch, kernel launches."""
+    backward_flops_per_s: float | None = None
+    """Matmul FLOP/s in the backward (transposed operands, weight-gradient reductions run at
+    another speed than the forward); None: ``flops_per_s``."""
+    indexed_bytes_per_s: float | None = None
+    """Bytes per second of gathers and scatters (each element moved with its index); None:
+    ``bytes_per_s``."""
+    op_overhead_s: float = 0.0
+    """Seconds per operation per pass (``LayerCost.forward_ops`` / ``backward_ops``): the
+    dispatch of each op's kernels, which a layer of many small ops pays many times."""
 
     def check(self) -> None:
-        """Raise ValueError unless both rates are finite and > 0 and the overhead >= 0."""
-        for name in ("flops_per_s", "bytes_per_s"):
+        """Raise ValueError unless every rate is finite and > 0 and the overheads >= 0."""
+        for name in ("flops_per_s", "bytes_per_s", "backward_flops_per_s", "indexed_bytes_per_s"):
             value = getattr(self, name)
+            if value is None:
+                continue
             _non_negative(name, value)
             if value == 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
         _non_negative("overhead_s", self.overhead_s)
+        _non_negative("op_overhead_s", self.op_overhead_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +112,8 @@ class MachineModel:
     None: inputs are noticed at once."""
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
-    ``layer_overhead_s``, given together); None: the file has none."""
+    ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
+    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``); None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -133,8 +146,10 @@ class MachineModel:
             if value is not None:
                 out[name] = value
         if self.layer_rates is not None:
-            for key, attr in _RATE_KEYS.items():
-                out[key] = getattr(self.layer_rates, attr)
+            for key, attr in {**_RATE_KEYS, **_OPTIONAL_RATE_KEYS}.items():
+                value = getattr(self.layer_rates, attr)
+                if value is not None:
+                    out[key] = value
         return out
 
 
@@ -148,6 +163,11 @@ _RATE_KEYS = {
     "layer_flops_per_s": "flops_per_s",
     "layer_bytes_per_s": "bytes_per_s",
     "layer_overhead_s": "overhead_s",
+}
+_OPTIONAL_RATE_KEYS = {
+    "layer_backward_flops_per_s": "backward_flops_per_s",
+    "layer_indexed_bytes_per_s": "indexed_bytes_per_s",
+    "layer_op_overhead_s": "op_overhead_s",
 }
 _OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "poll_max_s")
 
@@ -173,7 +193,7 @@ def machine_from_json(data: object) -> MachineModel:
     """
     if not isinstance(data, dict):
         raise ValueError(f"a machine file holds one JSON object, not {type(data).__name__}")
-    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, "notes"}
+    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, *_OPTIONAL_RATE_KEYS, "notes"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown machine key(s) {', '.join(unknown)}; known: {sorted(known)}")
@@ -195,7 +215,7 @@ def machine_from_json(data: object) -> MachineModel:
 def _layer_rates(data: dict[str, Any]) -> LayerRates | None:
     """The three ``layer_*`` keys as :class:`LayerRates`; None when none is given; ValueError
     when only some are (a missing rate cannot default to anything meaningful)."""
-    given = [key for key in _RATE_KEYS if key in data]
+    given = [key for key in (*_RATE_KEYS, *_OPTIONAL_RATE_KEYS) if key in data]
     if not given:
         return None
     missing = [key for key in _RATE_KEYS if key not in data]
@@ -204,11 +224,12 @@ def _layer_rates(data: dict[str, Any]) -> LayerRates | None:
             f"machine file gives {', '.join(given)} but not {', '.join(missing)}; "
             "HINT: the per-layer cost model needs all three layer_* keys"
         )
-    rates = LayerRates(**{attr: _number(key, data[key]) for key, attr in _RATE_KEYS.items()})
-    for key, attr in _RATE_KEYS.items():
+    keys = {key: attr for key, attr in {**_RATE_KEYS, **_OPTIONAL_RATE_KEYS}.items() if key in data}
+    rates = LayerRates(**{attr: _number(key, data[key]) for key, attr in keys.items()})
+    for key, attr in keys.items():
         value = getattr(rates, attr)
         _non_negative(key, value)
-        if value == 0 and key != "layer_overhead_s":
+        if value == 0 and not key.endswith("overhead_s"):
             raise ValueError(f"{key}={value!r} must be > 0")
     return rates
 
