@@ -382,7 +382,7 @@ def test_machine_file_round_trip(tmp_path: Path) -> None:
     ("text", "match"),
     [
         ("[1]", "one JSON object"),
-        ('{"step_overhead": 1}', "unknown machine key.s. step_overhead;"),
+        ('{"step_overhead": 1}', "unknown machine key 'step_overhead'; HINT: did you mean"),
         ('{"step_overhead_s": "1"}', "step_overhead_s='1' must be a number"),
         ('{"latency_s": true}', "must be a number"),
         ('{"action_overhead_s": -1}', "action_overhead_s=-1.0 must be >= 0"),
