@@ -184,10 +184,10 @@ def hidden_case(path: Path, machine_file: Path) -> dict[str, Any]:
 
 def markdown(rows: list[HeldOutRow], hidden: dict[str, Any], machine: MachineModel) -> str:
     """The table to paste into docs/simulate.md#held-out-validation."""
+    fitted_on = ", ".join((machine.notes or {}).get("fitted_on", []))
     lines = [
-        f"Machine calibration fitted on {', '.join(n for n in (machine.notes or {}).get('fitted_on', []))}"
-        f" (external load {machine.external_wall_s_per_cpu_s:.3f}); measured "
-        + time.strftime("%Y-%m-%d %H:%M"),
+        f"Machine calibration fitted on {fitted_on} (external load "
+        f"{machine.external_wall_s_per_cpu_s:.3f}); measured {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "| source X | target Y | P | M | algorithm | Y measured s | Y predicted s | error "
         "| speedup X/Y measured | predicted | error |",

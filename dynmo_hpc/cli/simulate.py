@@ -27,12 +27,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.cli.errors import error_line
 from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
-from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.sim.heldout import HeldOutRow, predict_pair
 from dynmo_hpc.sim.machine import MachineModel, load_machine, shipped_machine_path
 from dynmo_hpc.sim.replay import (
@@ -395,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
     except (DynmoError, FileNotFoundError, ValueError) as exc:
         print(error_line(exc, HINT), file=sys.stderr)
         return 2
+    log.info("simulate: calibration %s", args.calibration_used)  # after any error line
     tokens_per_step = tokens_per_microbatch * setup.num_microbatches
     summary = {
         p: {
@@ -406,10 +407,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"calibration: {args.calibration_used}")
     print(
         f"{setup.num_stages} stages, {setup.num_microbatches} microbatches, {setup.schedule}, "
-        f"{setup.num_steps} steps, load report every {setup.interval}"
+        f"{setup.num_steps} steps, load report every {setup.interval}; "
+        f"calibration: {args.calibration_used}"
     )
     print(
         f"{'algorithm':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
@@ -434,9 +435,10 @@ def _machine_arg(text: str) -> Path | str:
 
 
 def _machine(args: argparse.Namespace) -> MachineModel:
-    """The machine calibration to use, and which one it was (logged and kept on ``args`` as
-    ``calibration_used`` for the text output): ``--machine FILE``; ``--machine none``; else,
-    with ``--from``, the one shipped for this machine (:func:`shipped_machine_path`); else none.
+    """The machine calibration to use, and which one it was (kept on ``args`` as
+    ``calibration_used``, for the log and the text output): ``--machine FILE``; ``--machine
+    none``; else, with ``--from``, the one shipped for this machine
+    (:func:`shipped_machine_path`); else none (``--costs`` stays the compute-only model).
     """
     path: Path | None = None
     if isinstance(args.machine, Path):
@@ -448,11 +450,9 @@ def _machine(args: argparse.Namespace) -> MachineModel:
         args.calibration_used = "none (compute-only model)"
         if args.machine is None and args.run_log is not None:
             args.calibration_used += "; no calibration is shipped for this machine"
-        log.info("simulate: calibration %s", args.calibration_used)
         return MachineModel()
     machine = load_machine(path)
     args.calibration_used = f"{path} ({why})"
-    log.info("simulate: calibration %s", args.calibration_used)
     return machine
 
 

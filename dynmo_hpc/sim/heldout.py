@@ -35,7 +35,6 @@ from dynmo_hpc.sim.replay import ReplayResult, ReplaySetup, replay, sharing_rati
 from dynmo_hpc.sim.runlog_traces import (
     RunTraces,
     measured_wall_s_per_cpu_s,
-    packing_setup,
     traces_from_runlog,
 )
 from dynmo_hpc.sim.step import stage_times_s, transfer_time_s
