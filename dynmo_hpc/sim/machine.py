@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.atomic_io import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 
@@ -277,4 +279,4 @@ def shipped_machine_path(cores: int) -> Path | None:
 def save_machine(model: MachineModel, path: Path) -> None:
     """Write ``model`` as the JSON :func:`load_machine` reads back unchanged."""
     model.check()
-    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
