@@ -32,6 +32,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ from dynmo_hpc.cli.simulate import format_table  # noqa: E402
 from dynmo_hpc.runlog import RunLog, load  # noqa: E402
 from dynmo_hpc.sim.heldout import (  # noqa: E402
     HeldOutRow,
+    external_ratio,
     fit_machine,
     measured_step_s,
     predict,
@@ -221,7 +223,17 @@ def hidden_terms(run: RunLog, machine: MachineModel) -> dict[str, float]:
     }
 
 
-def markdown(rows: list[HeldOutRow], hidden: dict[str, Any], machine: MachineModel) -> str:
+LOADED = 1.10
+"""A run whose layers ran this much slower than its own ranks' sharing explains had other
+processes on the machine: its pair is reported, and flagged."""
+
+
+def markdown(
+    rows: list[HeldOutRow],
+    hidden: dict[str, Any],
+    machine: MachineModel,
+    load_of: dict[str, float],
+) -> str:
     """The table to paste into docs/simulate.md#held-out-validation."""
     fitted_on = ", ".join((machine.notes or {}).get("fitted_on", []))
     lines = [
@@ -229,19 +241,31 @@ def markdown(rows: list[HeldOutRow], hidden: dict[str, Any], machine: MachineMod
         f"{machine.external_wall_s_per_cpu_s:.3f}); measured {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "| source X | target Y | P | M | algorithm | Y measured s | Y predicted s | error "
-        "| speedup X/Y measured | predicted | error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| speedup X/Y measured | predicted | error | other load X / Y |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         t = r.target_settings
         lines.append(
             f"| {r.source} | {r.target} | {t.num_stages} | {t.num_microbatches} | {t.algorithm} "
             f"| {r.measured_target_s:.4f} | {r.predicted_target_s:.4f} | {r.step_error:+.1%} "
-            f"| {r.measured_speedup:.3f} | {r.predicted_speedup:.3f} | {r.speedup_error:+.1%} |"
+            f"| {r.measured_speedup:.3f} | {r.predicted_speedup:.3f} | {r.speedup_error:+.1%} "
+            f"| {load_of[r.source]:.2f} / {load_of[r.target]:.2f} |"
         )
     worst_step = max(abs(r.step_error) for r in rows)
     worst_speedup = max(abs(r.speedup_error) for r in rows)
+    loaded = sorted(name for name, k in load_of.items() if k > LOADED)
     lines += [
+        "",
+        "Other load: each run's median wall-per-CPU ratio of its layers over what its own ranks "
+        "sharing the cores explain (`heldout.external_ratio`; a diagnostic of the measurement, "
+        "not an input of any prediction). "
+        + (
+            f"**Over {LOADED}, i.e. other processes ran: {', '.join(loaded)}; delete those runs' "
+            "directories and rerun on an idle machine.**"
+            if loaded
+            else f"All runs at most {LOADED}."
+        ),
         "",
         f"Worst step-time error {worst_step:.1%}, worst speedup error {worst_speedup:.1%} over "
         f"{len(rows)} held-out pairs.",
@@ -267,17 +291,26 @@ def main() -> None:
         help="measured constants kept as they are: optimizer per parameter, link, cores, "
         "wake-up (benchmarks/calibrate_sim.py --write-machine)",
     )
+    parser.add_argument(
+        "--rerun-loaded",
+        action="store_true",
+        help=f"run again, once, any run whose other load is over {LOADED} (kept or new)",
+    )
     parser.add_argument("--write-machine", type=Path, help="where the fitted calibration goes")
     parser.add_argument("--json-out", type=Path, help="the table as JSON")
     parser.add_argument("--markdown-out", type=Path, help="the table as markdown")
     args = parser.parse_args()
     os.environ["DYNMO_LOG_LEVEL"] = "WARNING"
+    base = load_machine(args.base_machine)
     paths: dict[str, Path] = {}
     for run in (*CALIBRATION, *HELD_OUT):
         paths[run.name] = ensure_run(run, args.runs_dir)
+        if args.rerun_loaded and external_ratio(load(paths[run.name]), base) > LOADED:
+            print(f"  {run.name}: other processes ran; once more", file=sys.stderr, flush=True)
+            shutil.rmtree(paths[run.name].parent)
+            paths[run.name] = ensure_run(run, args.runs_dir)
     if args.runs_only:
         return
-    base = load_machine(args.base_machine)
     logs = {name: load(path) for name, path in paths.items()}
     machine = fit_machine(
         [(r.name, logs[r.name]) for r in CALIBRATION],
@@ -290,18 +323,20 @@ def main() -> None:
         rows = [predict_pair(logs[x], logs[y], machine, (x, y)) for x, y in PAIRS]
         hidden = hidden_case(paths[HIDDEN], machine_file)
     hidden["terms"] = hidden_terms(logs[HIDDEN], machine)
+    load_of = {r.name: external_ratio(logs[r.name], machine) for r in HELD_OUT}
     print(format_table(rows))
     print(
         f"hidden case: {hidden['command']}\n  measured {hidden['measured_step_s']:.4f} s, "
         f"predicted {hidden['predicted_step_s']:.4f} s, {hidden['ratio']:.3f}x"
     )
-    text = markdown(rows, hidden, machine)
+    text = markdown(rows, hidden, machine, load_of)
     print(text)
     if args.json_out is not None:
         table = {
             "machine": machine.to_json(),
             "rows": [r.to_json() for r in rows],
             "hidden": hidden,
+            "other_load": load_of,
         }
         atomic_write_text(args.json_out, json.dumps(table, indent=1) + "\n")
     if args.markdown_out is not None:

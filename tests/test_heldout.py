@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import h5py
@@ -241,3 +242,36 @@ def test_cli_predict_bad_input_is_one_error_line(
 def test_cli_predict_needs_from(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--costs", "1,1", "--stages", "2", "--microbatches", "2", "--predict", "x.h5"]
     assert "--predict needs --from" in _one_error_line(*_cli(argv, capsys))
+
+
+def _heldout_script() -> object:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "heldout_sim.py"
+    spec = importlib.util.spec_from_file_location("heldout_sim", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("heldout_sim", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_heldout_script_keeps_calibration_and_held_out_apart(tmp_path: Path) -> None:
+    """The benchmark's design: at least 8 pairs, every pair's runs held out and of one job, no
+    calibration run among them, and the hidden case is the issue's (imbalanced, 3 stages, 6
+    microbatches, static)."""
+    script: object = _heldout_script()
+    held_out = {r.name: r for r in script.HELD_OUT}  # type: ignore[attr-defined]
+    calibration = {r.name for r in script.CALIBRATION}  # type: ignore[attr-defined]
+    pairs = script.PAIRS  # type: ignore[attr-defined]
+    assert len(pairs) >= 8 and len(set(pairs)) == len(pairs)
+    assert not calibration & set(held_out)
+    for x, y in pairs:
+        assert x in held_out and y in held_out and x != y
+        assert held_out[x].job == held_out[y].job and held_out[x].extra == held_out[y].extra
+    assert {held_out[y].num_stages for _, y in pairs} == {2, 3}
+    assert {held_out[y].algorithm for _, y in pairs} >= {"static", "optimal", "diffusion"}
+    hidden = script.run_config(held_out[script.HIDDEN], tmp_path)  # type: ignore[attr-defined]
+    assert hidden.model.layer_d_ff is not None  # jobs/imbalanced.yaml
+    assert (hidden.pipeline.num_stages, hidden.train.num_microbatches) == (3, 6)
+    assert hidden.balance.algorithm == "static"
