@@ -171,7 +171,9 @@ def test_fit_machine_uses_only_the_calibration_runs(runs: dict[str, Path], tmp_p
     slow = load(_corrupt_wall_times(runs["src"], tmp_path / "slow.h5", 5.0))
     refit = fit_machine([("src", slow), cal[1]], base)
     assert refit.external_wall_s_per_cpu_s != fitted.external_wall_s_per_cpu_s
-    assert external_ratio(slow, base) == pytest.approx(5.0 * external_ratio(cal[0][1], base))
+    # 5x the wall time: at least 3x the load (each step's ratio is floored at 1 before the
+    # median, so a quiet run's median may have been lifted to 1).
+    assert external_ratio(slow, base) > 3.0 * external_ratio(cal[0][1], base)
 
 
 @pytest.mark.slow
