@@ -19,11 +19,17 @@ then predict); the wall-per-CPU ratio is measured from the replayed run's own st
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from dynmo_hpc.atomic_io import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +116,11 @@ class MachineModel:
     poll_max_s: float | None = None
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`);
     None: inputs are noticed at once."""
+    external_wall_s_per_cpu_s: float | None = None
+    """Wall seconds per CPU second that other processes' load adds on top of the ranks' own
+    sharing of ``cores``, fitted on calibration runs (:func:`dynmo_hpc.sim.heldout.fit_machine`),
+    never on the run predicted: the replay uses it as it is, for every step. None: not fitted
+    (a measured ``--wall-per-cpu`` or ``wall_s_per_cpu_s`` decides)."""
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
@@ -126,7 +137,12 @@ class MachineModel:
             value = getattr(self, name)
             if value is not None:
                 _non_negative(name, value)
-        for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores"):
+        for name in (
+            "bandwidth_bytes_per_s",
+            "wall_s_per_cpu_s",
+            "cores",
+            "external_wall_s_per_cpu_s",
+        ):
             value = getattr(self, name)
             if value is not None:
                 _non_negative(name, value)
@@ -169,7 +185,14 @@ _OPTIONAL_RATE_KEYS = {
     "layer_indexed_bytes_per_s": "indexed_bytes_per_s",
     "layer_op_overhead_s": "op_overhead_s",
 }
-_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "poll_max_s")
+_OPTIONAL_KEYS = (
+    "latency_s",
+    "bandwidth_bytes_per_s",
+    "wall_s_per_cpu_s",
+    "cores",
+    "poll_max_s",
+    "external_wall_s_per_cpu_s",
+)
 
 
 def _non_negative(name: str, value: object) -> None:
@@ -189,14 +212,23 @@ def _number(name: str, value: object) -> float:
 def machine_from_json(data: object) -> MachineModel:
     """A :class:`MachineModel` from a parsed JSON object; ValueError names the bad key.
 
-    Unknown keys are refused, so a misspelt term cannot silently stay 0.
+    An unknown key that looks like a misspelling of a known one is refused, so a misspelt term
+    cannot silently stay 0; any other unknown key (one a newer version of the file added) is
+    logged and ignored, so files from parallel calibrations stay readable.
     """
     if not isinstance(data, dict):
         raise ValueError(f"a machine file holds one JSON object, not {type(data).__name__}")
     known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, *_OPTIONAL_RATE_KEYS, "notes"}
     unknown = sorted(set(data) - known)
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"unknown machine key {key!r}; HINT: did you mean {close[0]!r}? "
+                f"known: {sorted(known)}"
+            )
     if unknown:
-        raise ValueError(f"unknown machine key(s) {', '.join(unknown)}; known: {sorted(known)}")
+        log.warning("machine file: ignoring unknown key(s) %s", ", ".join(unknown))
     values = {key: _number(key, data[key]) for key in _OVERHEAD_KEYS if key in data}
     for key, value in values.items():
         _non_negative(key, value)  # named as in the file, not as the attribute
@@ -250,7 +282,22 @@ def load_machine(path: Path) -> MachineModel:
         raise ValueError(f"machine file {path}: {exc}") from None
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "machines"
+"""Machine calibrations shipped with the package, one per machine: ``cpu_<N>core.json``."""
+
+
+def shipped_machine_path(cores: int) -> Path | None:
+    """The calibration shipped for a machine with ``cores`` usable cores, or None.
+
+    Why by core count: the only machine calibrated so far is the project's 2-core development
+    machine (``benchmarks/heldout_sim.py --write-machine``); a machine with another core count
+    has none, and ``dynmo-hpc simulate`` says so rather than borrow one.
+    """
+    path = SHIPPED_DIR / f"cpu_{cores}core.json"
+    return path if path.is_file() else None
+
+
 def save_machine(model: MachineModel, path: Path) -> None:
     """Write ``model`` as the JSON :func:`load_machine` reads back unchanged."""
     model.check()
-    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
