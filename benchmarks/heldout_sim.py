@@ -299,11 +299,24 @@ def main() -> None:
     parser.add_argument("--write-machine", type=Path, help="where the fitted calibration goes")
     parser.add_argument("--json-out", type=Path, help="the table as JSON")
     parser.add_argument("--markdown-out", type=Path, help="the table as markdown")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smallest set that exercises every part (2 calibration runs, the first pair, the "
+        "hidden case; 8 steps each): checks the script runs, its figures are not the table's",
+    )
     args = parser.parse_args()
     os.environ["DYNMO_LOG_LEVEL"] = "WARNING"
     base = load_machine(args.base_machine)
+    calibration, held_out, pairs = CALIBRATION, HELD_OUT, PAIRS
+    if args.quick:
+        calibration, pairs = CALIBRATION[:2], PAIRS[:1]
+        needed = {HIDDEN, *pairs[0]}
+        held_out = tuple(r for r in HELD_OUT if r.name in needed)
+        calibration = tuple(dataclasses.replace(r, steps=8) for r in calibration)
+        held_out = tuple(dataclasses.replace(r, steps=8) for r in held_out)
     paths: dict[str, Path] = {}
-    for run in (*CALIBRATION, *HELD_OUT):
+    for run in (*calibration, *held_out):
         paths[run.name] = ensure_run(run, args.runs_dir)
         if args.rerun_loaded and external_ratio(load(paths[run.name]), base) > LOADED:
             print(f"  {run.name}: other processes ran; once more", file=sys.stderr, flush=True)
@@ -313,17 +326,17 @@ def main() -> None:
         return
     logs = {name: load(path) for name, path in paths.items()}
     machine = fit_machine(
-        [(r.name, logs[r.name]) for r in CALIBRATION],
+        [(r.name, logs[r.name]) for r in calibration],
         base,
         notes={"how": "benchmarks/heldout_sim.py", "measured": time.strftime("%Y-%m-%d %H:%M")},
     )
     with tempfile.TemporaryDirectory() as tmp:
         machine_file = args.write_machine or Path(tmp) / "machine.json"
         save_machine(machine, machine_file)
-        rows = [predict_pair(logs[x], logs[y], machine, (x, y)) for x, y in PAIRS]
+        rows = [predict_pair(logs[x], logs[y], machine, (x, y)) for x, y in pairs]
         hidden = hidden_case(paths[HIDDEN], machine_file)
     hidden["terms"] = hidden_terms(logs[HIDDEN], machine)
-    load_of = {r.name: external_ratio(logs[r.name], machine) for r in HELD_OUT}
+    load_of = {r.name: external_ratio(logs[r.name], machine) for r in held_out}
     print(format_table(rows))
     print(
         f"hidden case: {hidden['command']}\n  measured {hidden['measured_step_s']:.4f} s, "
