@@ -58,6 +58,7 @@ from dynmo_hpc.pipeline.migration import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 from dynmo_hpc.report_cycle import is_report_step
+from dynmo_hpc.runlog.trajectory import SCHEME_STATS, job_layer_states
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +394,8 @@ class Trainer:
         )
         for event in scheme_events:
             self.writer.log_event(step=step, kind=event["kind"], detail=event)
+            if event["kind"] == SCHEME_STATS:
+                self.writer.log_layer_states(step=step, states=job_layer_states(cfg, event))
         log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
         if reported:
             self.writer.flush()

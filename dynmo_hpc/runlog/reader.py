@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,13 @@ class RunLog:
 
     superseded: dict[str, pd.DataFrame]
     """Per step-keyed table, the rows of steps a later segment redid (empty if none were)."""
+    layer_states: pd.DataFrame = field(
+        default_factory=lambda: _empty(schema.LAYER_STATES.dtype)
+    )
+    """One row per (load report step, layer): the schemes' state (``docs/runlog.md``); empty for
+    a file written before the table existed."""
+    expert_loads: pd.DataFrame = field(default_factory=lambda: _empty(schema.EXPERT_LOADS.dtype))
+    """One row per (load report step, MoE layer, expert): the expert's share of the tokens."""
 
     @property
     def restarts(self) -> pd.DataFrame:
@@ -112,6 +119,11 @@ class RunLog:
     def report_steps(self) -> list[int]:
         """Steps at which a load report (layer costs + partition) was logged."""
         return sorted(int(s) for s in self.partitions["step"].unique())
+
+
+def _empty(dtype: np.dtype) -> pd.DataFrame:
+    """A table with ``dtype``'s columns and no rows (an optional table a file lacks)."""
+    return pd.DataFrame(np.zeros(0, dtype=dtype))
 
 
 def _py(value: Any) -> Any:
@@ -273,6 +285,8 @@ def _check_is_run_log(path: Path, f: h5py.File, attrs: dict[str, Any]) -> None:
         )
     linked = set(f.keys())  # link names only: opening each object is what can fail
     for spec in schema.TABLES:
+        if spec.name in schema.OPTIONAL_TABLES and spec.name not in linked:
+            continue  # written before the table existed
         ds = f.get(spec.name)
         if spec.name in linked and ds is None:  # h5py's get() hides why it could not open it
             raise RunLogError(
@@ -337,7 +351,12 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
         try:
             attrs = {key: _py(value) for key, value in f.attrs.items()}
             _check_is_run_log(path, f, attrs)
-            tables = {spec.name: pd.DataFrame(read_rows(f[spec.name])) for spec in schema.TABLES}
+            tables = {
+                spec.name: pd.DataFrame(read_rows(f[spec.name]))
+                if spec.name in f
+                else _empty(spec.dtype)
+                for spec in schema.TABLES
+            }
             events = _events(f, path)
         except (OSError, KeyError, TypeError, RuntimeError, UnicodeDecodeError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -357,4 +376,6 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
         partitions=tables[schema.PARTITIONS.name],
         events=events,
         superseded=superseded,
+        layer_states=tables[schema.LAYER_STATES.name],
+        expert_loads=tables[schema.EXPERT_LOADS.name],
     )

@@ -69,7 +69,14 @@ ADDED_COLUMNS: dict[str, dict[str, float]] = {
 """Columns added within schema version 2, per table, with the value a file written before
 them reads as (readers fill it in; a resumed run's copy of the old rows gets it too). Old
 readers ignore the extra columns, so the version is unchanged."""
-STEP_KEYED_TABLES = ("steps", "stage_times", "layer_costs", "partitions")
+STEP_KEYED_TABLES = (
+    "steps",
+    "stage_times",
+    "layer_costs",
+    "partitions",
+    "layer_states",
+    "expert_loads",
+)
 """Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 
 
@@ -172,13 +179,66 @@ EVENTS = TableSpec(
     chunk_rows=512,
 )
 
+LAYER_STATES = TableSpec(
+    name="layer_states",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("layer", "<i4"),
+            ("neurons_kept", "<f8"),
+            ("heads_kept", "<f8"),
+            ("tokens_kept", "<f8"),
+            ("kv_tokens_kept", "<f8"),
+            ("attention_density", "<f8"),
+            ("frozen", "u1"),
+            ("frozen_prefix", "u1"),
+            ("exit_head", "u1"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
+        ]
+    ),
+    chunk_rows=4096,
+)
+"""Per (load report, layer): what the dynamic schemes had done to the layer over the report's
+interval (:mod:`dynmo_hpc.runlog.trajectory`), so the run's scheme trajectory can drive the
+cost model of another model (``dynmo-hpc simulate --model``)."""
+
+EXPERT_LOADS = TableSpec(
+    name="expert_loads",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("layer", "<i4"),
+            ("expert", "<i4"),
+            ("load", "<f8"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
+        ]
+    ),
+    chunk_rows=4096,
+)
+"""Per (load report, MoE layer, expert): the expert's routed tokens over the report's interval
+as a fraction of the tokens that reached the layer."""
+
+OPTIONAL_TABLES = (LAYER_STATES.name, EXPERT_LOADS.name)
+"""Tables added within schema version 2: a file written before them lacks them, and readers
+(and a resumed writer) treat them as empty."""
+
 EVENT_DETAIL = "event_detail"
 """Dataset of ``uint8``: the UTF-8 JSON details of all events, concatenated."""
 
 EVENT_DETAIL_CHUNK_BYTES = 64 * 1024
 """Chunk size of ``/event_detail``."""
 
-TABLES: tuple[TableSpec, ...] = (STEPS, STAGE_TIMES, LAYER_COSTS, PARTITIONS, EVENTS)
+TABLES: tuple[TableSpec, ...] = (
+    STEPS,
+    STAGE_TIMES,
+    LAYER_COSTS,
+    PARTITIONS,
+    LAYER_STATES,
+    EXPERT_LOADS,
+    EVENTS,
+)
 """Every compound table, in the order the writer flushes them (events last, after their bytes)."""
 
 ATTRS_CRC_ATTR = "attrs_crc32"

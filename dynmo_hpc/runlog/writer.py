@@ -40,6 +40,7 @@ import numpy as np
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.runlog import precheck, schema
 from dynmo_hpc.runlog.torn_chunk import read_rows
+from dynmo_hpc.runlog.trajectory import LayerState
 from dynmo_hpc.version import __version__
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ class RunLogWriter:
         _create_tables(dst)
         segments = [-1]
         for spec in schema.TABLES:
+            if spec.name in schema.OPTIONAL_TABLES and spec.name not in src:
+                continue  # written before the table existed: nothing to copy
             rows = schema.with_added_columns(spec.name, read_rows(src[spec.name]), spec.dtype)
             if len(rows):
                 segments.append(int(rows[schema.SEGMENT_COLUMN].max()))
@@ -436,6 +439,24 @@ class RunLogWriter:
                 )
             )
         self._rows_added(num_layers + num_stages)
+
+    def log_layer_states(self, *, step: int, states: Sequence[LayerState]) -> None:
+        """A load report's scheme state per layer (:mod:`dynmo_hpc.runlog.trajectory`): one
+        ``layer_states`` row per layer, one ``expert_loads`` row per expert of an MoE layer."""
+        self._check_open()
+        rows = self._buffers[schema.LAYER_STATES.name]
+        loads = self._buffers[schema.EXPERT_LOADS.name]
+        for s in states:
+            flags = (int(s.frozen), int(s.frozen_prefix), int(s.exit_head))
+            fractions = (s.neurons_kept, s.heads_kept, s.tokens_kept, s.kv_tokens_kept)
+            rows.append(
+                (int(step), int(s.layer), *map(float, fractions), float(s.attention_density))
+                + flags
+                + (self._segment, 0)
+            )
+            for e, load in enumerate(s.expert_loads):
+                loads.append((int(step), int(s.layer), e, float(load), self._segment, 0))
+        self._rows_added(len(states) + sum(len(s.expert_loads) for s in states))
 
     def log_event(self, *, step: int, kind: str, detail: dict[str, Any]) -> None:
         """Something that happened (rebalance, migrate, pack, shrink, checkpoint, ...).
