@@ -31,6 +31,7 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.cli.errors import error_line
 from dynmo_hpc.cli.plan import _floats
+from dynmo_hpc.cli.simulate_scale import add_scale_arguments, run_scale, stage_list
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
 from dynmo_hpc.sim.heldout import HeldOutRow, predict_pair
@@ -98,6 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_link_and_costs(p)
     _add_machine(p)
     _add_predict(p)
+    add_scale_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p
@@ -110,7 +112,11 @@ def _add_source_and_pipeline(p: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--costs", type=_floats, help="seconds per layer per step (forward + backward), e.g. 1,2,3"
     )
-    p.add_argument("--stages", type=int, help="pipeline stages P (default: the run's)")
+    p.add_argument(
+        "--stages",
+        type=stage_list,
+        help="pipeline stages P (default: the run's); with --model a list, e.g. 8,16,32,64",
+    )
     p.add_argument("--microbatches", type=int, help="microbatches per step M (default: the run's)")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), help="default: the run's, or 1f1b")
     p.add_argument("--interval", type=int, help="steps per load report (default: the run's, or 10)")
@@ -288,7 +294,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
     if args.restart_overhead_s is not None:
         packing = replace(packing, restart_overhead_s=args.restart_overhead_s)
     value = {key: _pick(getattr(args, key), default) for key, default in source.defaults.items()}
-    stages = _pick(args.stages, value.get("stages"))
+    stages = _pick(_one_stage_count(args.stages), value.get("stages"))
     microbatches = _pick(args.microbatches, value.get("microbatches"))
     if value["tokens_per_microbatch"] < 1:
         raise ValueError(f"--tokens-per-microbatch={value['tokens_per_microbatch']} must be >= 1")
@@ -311,6 +317,15 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
     )
     setup.check()
     return source.reports, setup, int(value["tokens_per_microbatch"])
+
+
+def _one_stage_count(stages: list[int] | None) -> int | None:
+    """``--stages`` without ``--model``: one count."""
+    if stages is not None and len(stages) > 1:
+        raise ValueError(
+            f"--stages {','.join(map(str, stages))}: a list needs --model; HINT: give one count"
+        )
+    return None if stages is None else stages[0]
 
 
 def _with_wall_per_cpu(
@@ -389,6 +404,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the per-algorithm results; a bad input is one ``error:`` line and exit 2."""
     if args.predict is not None:
         return run_predict(args)
+    if args.model is not None:
+        return run_scale(args)
     try:
         reports, setup, tokens_per_microbatch = _inputs(args)
         results = {a: replay(reports, setup, a, _progress(a)) for a in _chosen_algorithms(args)}
