@@ -1,152 +1,220 @@
-"""DynMo's simulated speedups at 8, 16 and 32 stages, from the scheme jobs' measured cost traces.
+"""The paper's table, side by side: each scheme's trajectory on a 128-block GPT at 8-64 stages.
 
-A 2-core machine measures 2 stages honestly and no more. This script takes the per-layer cost
-history of real runs (each load report's forward and backward seconds, parameter counts and
-bytes per layer, from ``run.h5``), deepens the model to ``3 x P`` blocks, and replays it under
-the four policies with the calibrated event-level simulator (``dynmo_hpc.sim.replay``):
+A 2-core machine measures 2 stages and no more, and its small CPU layers do not cost what a large
+model's layers cost on a GPU. What a short run here does give is the *scheme's trajectory*: per
+load report and layer, the neurons and heads pruning kept, the tokens MoD and early exit kept,
+the attention density, the frozen prefix, the expert loads (the run log's ``layer_states``).
+This script
 
-- how a scheme's per-block cost scales with depth: schemes whose pattern is *periodic in the
-  block index* (MoD routes every other block; MoE's per-block expert load has no depth trend)
-  repeat their measured blocks (``block j`` costs what ``block j mod N`` cost); schemes whose
-  pattern follows *relative depth* (freezing front to back, early exit's shrinking token count,
-  pruning and sparse attention by layer position) stretch it (``block j`` costs what the block
-  at the same relative depth cost). The embedding and the head keep their measured costs;
-- ``M = 4 P`` microbatches (``--microbatches-per-stage``), so the fill and drain cost the same
-  share at every depth; the report interval, margin and smoothing are the run's; migrations are
-  priced at ``--bandwidth-gbps``.
+1. runs each scheme job (``jobs/<scheme>.yaml``, one stage, static: the trajectory does not
+   depend on the partition) unless ``--runs-dir`` already holds ``<scheme>/run.h5``; the plain
+   row uses ``jobs/default.yaml`` (20 steps);
+2. calls ``dynmo-hpc simulate --from RUN.h5 --model benchmarks/scale_models/<scheme>.yaml
+   --stages 8,16,32,64 --machine FILE`` (in-process: the same parser and function) for each;
+3. prints, and with ``--write`` puts into ``docs/simulate.md`` (between the generated-section
+   markers) and the README's summary row, the speedups of ``optimal`` and ``diffusion`` over the
+   static ``megatron`` split (blocks even, embedding first, head last: Megatron-LM) and the
+   ``parameters`` split (DeepSpeed), as the median over the run and the maximum over its steady
+   state, beside the paper's "up to" figure from ``benchmarks/scale_models/paper.yaml``; where
+   ours is lower, the computed reason (the imbalance ``megatron`` leaves at the end of the run,
+   which bounds any re-partitioning's gain, against the paper's figure).
 
-It prints, per run and stage count, the simulated tokens/s of each policy and DynMo's speedups
-over static uniform (Megatron-LM) and static by parameters (DeepSpeed), beside the paper's
-end-to-end figure for the scheme (DynMo, SC'25, over the better static baseline).
+No figure here is typed by hand: the paper's come from the data file, ours from the run logs,
+the model files and the machine file. Step times come from the cost model and the machine file
+alone (no measured seconds), so the table does not depend on how loaded this machine was.
 
-    .venv/bin/python benchmarks/sim_scale.py RUN.h5 [RUN.h5 ...] [--stages 8 16 32] [--json]
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py --runs-dir /tmp/scale_runs --write
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.runlog import load
-from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay
-from dynmo_hpc.sim.runlog_traces import traces_from_runlog
+import yaml
 
-SCALE_POLICIES = tuple(ALGORITHMS)
-"""The table compares partitioning policies at a fixed stage count (no packing)."""
+from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.cli import build_parser
+from dynmo_hpc.cli.simulate_scale import result_json, scale_results
 
-PAPER_SPEEDUP = {
-    "moe": 1.23,
-    "pruning": 3.18,
-    "freezing": 2.23,
-    "sparse_attention": 4.02,
-    "early_exit": 4.52,
-    "mod": 1.17,
-}
-"""DynMo's reported end-to-end speedups over static Megatron-LM / DeepSpeed (arXiv 2505.14864)."""
-
-PERIODIC = {"mod", "moe"}
-"""Schemes whose per-block cost pattern repeats with the block index rather than with depth."""
-
-
-def scheme_of(config: dict[str, Any]) -> str:
-    """The run's scheme (the one non-null ``schemes`` entry), or ``plain``."""
-    on = [name for name, value in (config.get("schemes") or {}).items() if value is not None]
-    return on[0] if len(on) == 1 else ("plain" if not on else "+".join(sorted(on)))
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "benchmarks" / "scale_models"
+PAPER = MODELS / "paper.yaml"
+DEFAULT_MACHINE = MODELS / "gpu_assumed.json"
+SCHEMES = ("pruning", "freezing", "early_exit", "sparse_attention", "mod", "moe", "plain")
+PLAIN_JOB = ("jobs/default.yaml", ["train.steps=20"])
+BEGIN = "<!-- BEGIN generated by benchmarks/sim_scale.py -->"
+END = "<!-- END generated by benchmarks/sim_scale.py -->"
+README_ROW = "| DynMo at 8-64 simulated stages"
+"""The README's summary row starts with this; ``--write`` replaces that line."""
+RUN_SETTINGS = [
+    "pipeline.num_stages=1",
+    "balance.algorithm=static",
+    "checkpoint.at_end=false",
+    "checkpoint.every_steps=0",
+]
 
 
-def source_blocks(scheme: str, num_blocks: int, new_blocks: int) -> list[int]:
-    """For each of ``new_blocks`` blocks, the measured block (0-based) whose costs it takes."""
-    if scheme in PERIODIC:
-        return [j % num_blocks for j in range(new_blocks)]
-    return [min(num_blocks - 1, (j * num_blocks) // new_blocks) for j in range(new_blocks)]
+def run_job(scheme: str, runs_dir: Path) -> Path:
+    """``runs_dir/<scheme>/run.h5``, running the scheme's job first when it is missing."""
+    path = runs_dir / scheme / "run.h5"
+    if path.is_file():
+        return path
+    job, extra = PLAIN_JOB if scheme == "plain" else (f"jobs/{scheme}.yaml", [])
+    sets = [*RUN_SETTINGS, *extra, f"job.out_dir={runs_dir}", f"job.name={scheme}"]
+    cmd = [sys.executable, "-m", "dynmo_hpc", "run", job, "--overwrite"]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    return path
 
 
-def deepen(report: CostReport, sources: list[int]) -> CostReport:
-    """``report`` with its blocks (layers 1..N) replaced by ``sources``' blocks, in order."""
+def simulate(scheme: str, run: Path, machine: Path, stages: list[int], mapping: str) -> Any:
+    """The ``dynmo-hpc simulate --model`` result for one scheme, as its ``--json`` prints it."""
+    argv = ["simulate", "--from", str(run), "--model", str(MODELS / f"{scheme}.yaml")]
+    argv += ["--stages", ",".join(map(str, stages)), "--machine", str(machine)]
+    argv += ["--mapping", mapping]
+    args = build_parser().parse_args(argv)
+    summary, results = scale_results(args)
+    return {**summary, "results": [result_json(r) for r in results]}
 
-    def pick(values: list[Any]) -> list[Any]:
-        blocks = values[1:-1]
-        return [values[0], *(blocks[s] for s in sources), values[-1]]
 
-    return CostReport(
-        forward_s=pick(report.forward_s),
-        backward_s=pick(report.backward_s),
-        num_params=pick(report.num_params),
-        layer_bytes=pick(report.layer_bytes),
+def shortfall(best: float, paper: float | None, ceiling: float, spread: float) -> str:
+    """Why our best steady-state speedup over megatron is below the paper's, computed."""
+    if paper is None or best >= paper:
+        return "-"
+    if ceiling < paper:
+        return (
+            f"input: megatron's heaviest stage is {ceiling:.2f}x the mean at the end "
+            f"(heaviest block {spread:.2f}x the mean); {paper:.2f}x needs >= {paper:.2f}x"
+        )
+    return f"ceiling {ceiling:.2f}x allows it: the bubble, transfers and migrations take the rest"
+
+
+def table(rows: list[dict[str, Any]], paper: dict[str, Any]) -> str:
+    """The markdown table: one line per (scheme, stage count)."""
+    figures = paper["speedup_up_to"]
+    lines = [
+        "| scheme | P | optimal / megatron: median, steady max | optimal / parameters "
+        "| diffusion / megatron | diffusion / parameters | paper (up to) | where ours is lower |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        scheme = row["scheme"]
+        for r in row["results"]:
+            s = r["speedup"]
+            cells = [
+                f"{s[a][b]['median']:.2f}, {s[a][b]['steady_max']:.2f}"
+                for a in ("optimal", "diffusion")
+                for b in ("megatron", "parameters")
+            ]
+            best = max(s[a]["megatron"]["steady_max"] for a in ("optimal", "diffusion"))
+            fig = figures.get(scheme)
+            why = shortfall(best, fig, r["megatron_ceiling"], r["block_spread"])
+            paper_cell = "-" if fig is None else f"{fig:.2f}"
+            lines.append(
+                f"| {scheme} | {r['stages']} | {' | '.join(cells)} | {paper_cell} | {why} |"
+            )
+    return "\n".join(lines)
+
+
+def readme_row(rows: list[dict[str, Any]], paper: dict[str, Any], stages: list[int]) -> str:
+    """The README's single summary row."""
+    parts = []
+    for row in rows:
+        best = [
+            max(r["speedup"][a]["megatron"]["steady_max"] for a in ("optimal", "diffusion"))
+            for r in row["results"]
+        ]
+        fig = paper["speedup_up_to"].get(row["scheme"])
+        paper_text = "" if fig is None else f" (paper {fig:.2f})"
+        parts.append(f"{row['scheme']} {min(best):.2f}-{max(best):.2f}{paper_text}")
+    span = f"{min(stages)}-{max(stages)}"
+    return (
+        f"{README_ROW} (`benchmarks/sim_scale.py`: the scheme runs' trajectories on a 128-block "
+        f"GPT, assumed GPU) | best of `optimal`/`diffusion` over `megatron`, steady-state max at "
+        f"P = {span}: {'; '.join(parts)} | [at scale](docs/simulate.md#at-scale) |"
     )
 
 
-def simulate_run(path: Path, stages: list[int], mb_per_stage: int, bw_gbps: float) -> list[dict]:
-    run = load(path)
-    traces = traces_from_runlog(run)
-    scheme = scheme_of(run.config)
-    num_blocks = len(traces.reports[0].forward_s) - 2
-    rows = []
-    for p in stages:
-        sources = source_blocks(scheme, num_blocks, 3 * p)
-        reports = [deepen(r, sources) for r in traces.reports]
-        setup = ReplaySetup(
-            num_stages=p,
-            num_microbatches=mb_per_stage * p,
-            schedule=traces.schedule,
-            interval=traces.interval,
-            margin=traces.margin,
-            smoothing=traces.smoothing,
-            bandwidth_bytes_per_s=bw_gbps * 1e9 / 8,
-        )
-        tokens = traces.tokens_per_microbatch * setup.num_microbatches
-        result = {pol: replay(reports, setup, pol).tokens_per_s(tokens) for pol in SCALE_POLICIES}
-        best_static = max(result["uniform"], result["parameters"])
-        rows.append(
-            {
-                "run": str(path),
-                "scheme": scheme,
-                "stages": p,
-                "blocks": 3 * p,
-                "microbatches": setup.num_microbatches,
-                "tokens_per_s": result,
-                "optimal_over_uniform": result["optimal"] / result["uniform"],
-                "optimal_over_parameters": result["optimal"] / result["parameters"],
-                "diffusion_over_uniform": result["diffusion"] / result["uniform"],
-                "diffusion_over_parameters": result["diffusion"] / result["parameters"],
-                "optimal_over_best_static": result["optimal"] / best_static,
-                "paper": PAPER_SPEEDUP.get(scheme, math.nan),
-            }
-        )
-    return rows
+def replace_between(text: str, new: str) -> str:
+    """``text`` with the generated section replaced by ``new``; ValueError without markers."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {BEGIN!r} ... {END!r} section; HINT: add the two markers")
+    return text[: start + len(BEGIN)] + "\n" + new + "\n" + text[end:]
+
+
+def replace_row(text: str, row: str) -> str:
+    """``text`` with its line starting with :data:`README_ROW` replaced by ``row``."""
+    lines = text.splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
+    if len(hits) != 1:
+        raise ValueError(f"expected one README line starting with {README_ROW!r}, found {len(hits)}")
+    lines[hits[0]] = row + "\n"
+    return "".join(lines)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def section(rows: list[dict[str, Any]], paper: dict[str, Any], machine: Path, cmd: str) -> str:
+    """The generated section of docs/simulate.md: command, inputs, table."""
+    first = rows[0]
+    return "\n".join(
+        [
+            "```bash",
+            cmd,
+            "```",
+            "",
+            f"Model files `benchmarks/scale_models/<scheme>.yaml` ({first['blocks']} blocks, "
+            f"{first['microbatches']} microbatches), machine file `{_shown(machine)}`, "
+            f"paper figures from `benchmarks/scale_models/paper.yaml` ({paper['citation']}). "
+            "Each cell: the median over the run, then the maximum over its steady state.",
+            "",
+            table(rows, paper),
+        ]
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run logs (run.h5) of scheme jobs")
-    parser.add_argument("--stages", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--microbatches-per-stage", type=int, default=4)
-    parser.add_argument("--bandwidth-gbps", type=float, default=100.0)
+    parser.add_argument("--runs-dir", type=Path, default=Path("/tmp/scale_runs"))
+    parser.add_argument("--machine", type=Path, default=DEFAULT_MACHINE)
+    parser.add_argument("--stages", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--write", action="store_true", help="update docs/simulate.md, README")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [
-        row
-        for path in args.runs
-        for row in simulate_run(path, args.stages, args.microbatches_per_stage, args.bandwidth_gbps)
-    ]
+    paper = yaml.safe_load(PAPER.read_text())
+    rows = []
+    for scheme in args.schemes:
+        run = run_job(scheme, args.runs_dir)
+        mapping = (paper.get("mapping") or {}).get(scheme, "depth")
+        result = simulate(scheme, run, args.machine.resolve(), args.stages, mapping)
+        rows.append({"scheme": scheme, **result})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(
-        "| scheme | P | blocks | M | optimal / uniform | optimal / parameters | "
-        "diffusion / uniform | diffusion / parameters | paper (over static) |"
+    cmd = (
+        f"PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py --runs-dir {args.runs_dir} "
+        f"--machine {args.machine} --stages {' '.join(map(str, args.stages))} --write"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        paper = "-" if math.isnan(r["paper"]) else f"{r['paper']:.2f}"
-        print(
-            f"| {r['scheme']} | {r['stages']} | {r['blocks']} | {r['microbatches']} | "
-            f"{r['optimal_over_uniform']:.2f} | {r['optimal_over_parameters']:.2f} | "
-            f"{r['diffusion_over_uniform']:.2f} | {r['diffusion_over_parameters']:.2f} | {paper} |"
+    text = section(rows, paper, args.machine.resolve(), cmd)
+    print(text)
+    if args.write:
+        doc = ROOT / "docs" / "simulate.md"
+        atomic_write_text(doc, replace_between(doc.read_text(), text))
+        readme = ROOT / "README.md"
+        atomic_write_text(
+            readme, replace_row(readme.read_text(), readme_row(rows, paper, args.stages))
         )
     return 0
 

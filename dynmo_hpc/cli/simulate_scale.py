@@ -166,6 +166,7 @@ def result_json(result: StageResult) -> dict[str, Any]:
         "microbatches": result.num_microbatches,
         "median_step_s": result.median_step_s,
         "megatron_ceiling": result.megatron_ceiling,
+        "block_spread": result.block_spread,
         "speedup": {
             a: {b: {"median": s.median, "steady_max": s.steady_max} for b, s in per.items()}
             for a, per in result.speedups.items()

@@ -150,6 +150,8 @@ class StageResult:
     megatron_ceiling: float
     """At the last report: the heaviest stage of ``megatron``'s split over the mean stage load,
     the most any re-partitioning of those costs onto as many stages could gain (bubble aside)."""
+    block_spread: float
+    """At the last report: the heaviest block over the mean block (:func:`block_spread`)."""
 
 
 def speedup(base_s: Sequence[float], algo_s: Sequence[float], steady_from: int) -> Speedup:
@@ -197,6 +199,7 @@ def simulate_stages(
         median_step_s={a: r.median_step_time_s for a, r in results.items()},
         speedups=speedups,
         megatron_ceiling=_ceiling(reports[-1], megatron_parts),
+        block_spread=block_spread(reports[-1]),
     )
 
 
