@@ -156,7 +156,9 @@ def replace_row(text: str, row: str) -> str:
     lines = text.splitlines(keepends=True)
     hits = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
     if len(hits) != 1:
-        raise ValueError(f"expected one README line starting with {README_ROW!r}, found {len(hits)}")
+        raise ValueError(
+            f"expected one README line starting with {README_ROW!r}, found {len(hits)}"
+        )
     lines[hits[0]] = row + "\n"
     return "".join(lines)
 

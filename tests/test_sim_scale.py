@@ -225,7 +225,9 @@ def test_the_reason_is_computed_from_the_ceiling() -> None:
 
 def test_generated_sections_are_replaced_between_markers() -> None:
     text = f"a\n{sim_scale.BEGIN}\nold\n{sim_scale.END}\nb\n"
-    assert sim_scale.replace_between(text, "new") == f"a\n{sim_scale.BEGIN}\nnew\n{sim_scale.END}\nb\n"
+    assert (
+        sim_scale.replace_between(text, "new") == f"a\n{sim_scale.BEGIN}\nnew\n{sim_scale.END}\nb\n"
+    )
     with pytest.raises(ValueError, match="HINT: add the two markers"):
         sim_scale.replace_between("no markers", "new")
     row = f"{sim_scale.README_ROW} old | x |"

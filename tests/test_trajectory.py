@@ -29,8 +29,12 @@ def test_each_schemes_counters_become_fractions() -> None:
                 "mlp.expert_1": 40.0,
                 "mlp.dropped": 10.0,
             },
-            "5": {"processed": 100.0, "tokens": 400.0, "exit_head.reached": 100.0,
-                  "exit_head.exited": 60.0},
+            "5": {
+                "processed": 100.0,
+                "tokens": 400.0,
+                "exit_head.reached": 100.0,
+                "exit_head.exited": 60.0,
+            },
         },
     }
     states = layer_states(detail, 7, top_k=2)
@@ -69,8 +73,12 @@ def test_layer_states_round_trip(tmp_path: Path) -> None:
     assert rows["exit_head"].tolist()[:3] == [0, 0, 1]
     assert rows["kv_tokens_kept"].isna().tolist()[:3] == [True, True, False]
     loads = run.expert_loads
-    assert loads[["step", "layer", "expert"]].values.tolist() == [[4, 1, 0], [4, 1, 1], [9, 1, 0],
-                                                                  [9, 1, 1]]
+    assert loads[["step", "layer", "expert"]].values.tolist() == [
+        [4, 1, 0],
+        [4, 1, 1],
+        [9, 1, 0],
+        [9, 1, 1],
+    ]
     assert loads["load"].tolist() == [0.7, 0.3, 0.7, 0.3]
 
 

@@ -62,9 +62,7 @@ class RunLog:
 
     superseded: dict[str, pd.DataFrame]
     """Per step-keyed table, the rows of steps a later segment redid (empty if none were)."""
-    layer_states: pd.DataFrame = field(
-        default_factory=lambda: _empty(schema.LAYER_STATES.dtype)
-    )
+    layer_states: pd.DataFrame = field(default_factory=lambda: _empty(schema.LAYER_STATES.dtype))
     """One row per (load report step, layer): the schemes' state (``docs/runlog.md``); empty for
     a file written before the table existed."""
     expert_loads: pd.DataFrame = field(default_factory=lambda: _empty(schema.EXPERT_LOADS.dtype))

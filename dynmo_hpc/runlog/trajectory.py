@@ -112,21 +112,18 @@ def block_state(
     )
 
 
-def layer_states(
-    detail: Mapping[str, Any], num_layers: int, top_k: int = 1
-) -> list[LayerState]:
+def layer_states(detail: Mapping[str, Any], num_layers: int, top_k: int = 1) -> list[LayerState]:
     """Every layer's state (embedding, blocks, head) from one ``scheme_stats`` event detail.
 
-    ``num_layers`` is the model's placed layer count, ``top_k`` MoE's experts per token; a layer missing from ``detail["layers"]``
-    (it has no counters) reads as untouched. The head of an early-exit model runs on the tokens
-    still active after the last block: that block's processed tokens less those that exited
-    there.
+    ``num_layers`` is the model's placed layer count, ``top_k`` MoE's experts per token; a
+    layer missing from ``detail["layers"]`` (it has no counters) reads as untouched. The head of
+    an early-exit model runs on the tokens still active after the last block: that block's
+    processed tokens less those that exited there.
     """
     per_layer: Mapping[str, Mapping[str, float]] = detail.get("layers") or {}
     no_grad_below = int(detail.get("no_grad_below", 0) or 0)
     out = [
-        block_state(i, per_layer.get(str(i)) or {}, no_grad_below, top_k)
-        for i in range(num_layers)
+        block_state(i, per_layer.get(str(i)) or {}, no_grad_below, top_k) for i in range(num_layers)
     ]
     last = per_layer.get(str(num_layers - 2)) or {}
     if num_layers >= 2 and last.get("tokens", 0.0) > 0 and "processed" in last:

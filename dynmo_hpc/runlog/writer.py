@@ -449,10 +449,9 @@ class RunLogWriter:
         for s in states:
             flags = (int(s.frozen), int(s.frozen_prefix), int(s.exit_head))
             fractions = (s.neurons_kept, s.heads_kept, s.tokens_kept, s.kv_tokens_kept)
+            density = float(s.attention_density)
             rows.append(
-                (int(step), int(s.layer), *map(float, fractions), float(s.attention_density))
-                + flags
-                + (self._segment, 0)
+                (int(step), int(s.layer), *map(float, fractions), density, *flags, self._segment, 0)
             )
             for e, load in enumerate(s.expert_loads):
                 loads.append((int(step), int(s.layer), e, float(load), self._segment, 0))

@@ -18,6 +18,7 @@ block keeps its parity). Pure: no I/O.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -169,7 +170,7 @@ def speedup(base_s: Sequence[float], algo_s: Sequence[float], steady_from: int) 
 
 def _ceiling(report: CostReport, parts: Sequence[int]) -> float:
     costs = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
-    loads = [sum(costs[a:b]) for a, b in zip(parts, parts[1:], strict=False)]
+    loads = [sum(costs[a:b]) for a, b in itertools.pairwise(parts)]
     mean = sum(costs) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
 

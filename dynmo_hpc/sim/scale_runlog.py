@@ -77,7 +77,9 @@ def trajectory_from_runlog(run: RunLog) -> Trajectory:
     if not by_step:
         by_step = _from_events(run, num_layers)
     if not by_step:
-        by_step = {step: [LayerState(layer=i) for i in range(num_layers)] for step in run.report_steps()}
+        by_step = {
+            step: [LayerState(layer=i) for i in range(num_layers)] for step in run.report_steps()
+        }
     if not by_step:
         raise ValueError(
             f"{run.path}: no load report and no scheme state to replay; HINT: run at least "
