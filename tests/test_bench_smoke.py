@@ -17,6 +17,7 @@ test here or an entry in COVERED_ELSEWHERE. peer_deepspeed.py needs the optional
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -124,12 +125,18 @@ def test_run_log_readers_print_their_tables(run_dir: Path) -> None:
 
 
 @pytest.mark.mpi
-def test_sim_scale_prints_json_and_table(run_dir: Path) -> None:
-    proc = run_script("sim_scale.py", str(run_dir / "run.h5"), "--stages", "4", "--json")
+def test_sim_scale_prints_json_and_table(run_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "plain").mkdir()
+    shutil.copy(run_dir / "run.h5", tmp_path / "plain" / "run.h5")  # a run with no scheme
+    args = ["--runs-dir", str(tmp_path), "--schemes", "plain", "--stages", "8"]
+    proc = run_script("sim_scale.py", *args, "--json")
     (row,) = json.loads(proc.stdout)
-    assert row["stages"] == 4 and set(row["tokens_per_s"]) >= {"uniform", "optimal"}
-    table = run_script("sim_scale.py", str(run_dir / "run.h5"), "--stages", "4")
-    assert "| scheme | P | blocks | M |" in table.stdout
+    (result,) = row["results"]
+    assert row["scheme"] == "plain" and row["blocks"] == 128 and result["stages"] == 8
+    assert set(result["speedup"]) >= {"megatron", "parameters", "optimal", "diffusion"}
+    table = run_script("sim_scale.py", *args)
+    assert "| scheme | P | optimal / megatron: median, steady max |" in table.stdout
+    assert "| plain | 8 |" in table.stdout
 
 
 @pytest.mark.mpi

@@ -62,6 +62,15 @@ def test_a_frozen_prefix_stays_a_prefix_and_edges_keep_their_state() -> None:
     assert flags == [True] * 3 + [False] * 9  # block 1 of 4 -> blocks 1-3 of 12
 
 
+def test_an_exit_head_stays_one_head_at_its_relative_depth() -> None:
+    exit_block = SchemeState(exit_head=True, tokens_kept=0.5, kv_tokens_kept=1.0)
+    states = [SchemeState(), SchemeState(), exit_block, SchemeState(), SchemeState()]  # 3 blocks
+    mapped = map_states(states, 9)[1:-1]
+    assert [s.exit_head for s in mapped] == [False] * 5 + [True] + [False] * 3
+    assert [s.tokens_kept for s in mapped[3:6]] == [0.5] * 3  # the tokens still stretch
+    assert sum(s.exit_head for s in map_states(states, 9, "periodic")) == 3
+
+
 def test_pricing_follows_the_state() -> None:
     shapes = _shapes(2)
     pruned = SchemeState(neurons_kept=0.25, heads_kept=0.5)

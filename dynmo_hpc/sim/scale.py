@@ -12,8 +12,9 @@ static baselines ``megatron`` and ``parameters``.
 
 Invariants: the embedding keeps the run's embedding state and the head the run's head state;
 block ``j`` of ``B`` takes block ``floor(j N / B)`` of the run's ``N`` (``depth``: a prefix
-stays a prefix, a depth trend keeps its shape) or ``j mod N`` (``periodic``: MoD's every other
-block keeps its parity). Pure: no I/O.
+stays a prefix, a depth trend keeps its shape, and an early-exit head stays on one block, the
+last of those its block stretches over) or ``j mod N`` (``periodic``: MoD's every other block
+keeps its parity). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ def map_states(
     blocks; embedding and head keep their own."""
     blocks = list(states[1:-1])
     picked = source_blocks(len(blocks), num_target_blocks, mapping)
-    return [states[0], *(blocks[i] for i in picked), states[-1]]
+    mapped = [blocks[i] for i in picked]
+    if mapping == "depth":
+        # An exit head stays one head, on the last of the blocks its block stretches over:
+        # the exits keep their count and relative depths.
+        for j, i in enumerate(picked):
+            if mapped[j].exit_head and j + 1 < len(picked) and picked[j + 1] == i:
+                mapped[j] = replace(mapped[j], exit_head=False)
+    return [states[0], *mapped, states[-1]]
 
 
 def layer_params(shape: LayerShape, state: SchemeState) -> int:
