@@ -29,6 +29,7 @@ alone (no measured seconds), so the table does not depend on how loaded this mac
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import subprocess
@@ -92,7 +93,8 @@ def shortfall(best: float, paper: float | None, ceiling: float, spread: float) -
     if ceiling < paper:
         return (
             f"input: megatron's heaviest stage is {ceiling:.2f}x the mean at the end "
-            f"(heaviest block {spread:.2f}x the mean); {paper:.2f}x needs >= {paper:.2f}x"
+            f"(heaviest block {spread:.2f}x the mean); the paper's {paper:.2f}x needs it "
+            f">= {paper:.2f}x"
         )
     return f"ceiling {ceiling:.2f}x allows it: the bubble, transfers and migrations take the rest"
 
@@ -176,6 +178,7 @@ def section(rows: list[dict[str, Any]], paper: dict[str, Any], machine: Path, cm
             cmd,
             "```",
             "",
+            f"Generated {dt.date.today().isoformat()}. "
             f"Model files `benchmarks/scale_models/<scheme>.yaml` ({first['blocks']} blocks, "
             f"{first['microbatches']} microbatches), machine file `{_shown(machine)}`, "
             f"paper figures from `benchmarks/scale_models/paper.yaml` ({paper['citation']}). "
@@ -207,7 +210,8 @@ def main() -> int:
         return 0
     cmd = (
         f"PYTHONPATH=. .venv/bin/python benchmarks/sim_scale.py --runs-dir {args.runs_dir} "
-        f"--machine {args.machine} --stages {' '.join(map(str, args.stages))} --write"
+        f"--machine {_shown(args.machine.resolve())} "
+        f"--stages {' '.join(map(str, args.stages))} --write"
     )
     text = section(rows, paper, args.machine.resolve(), cmd)
     print(text)
