@@ -41,9 +41,9 @@ def stage_list(text: str) -> list[int]:
         values = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of whole numbers") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give stage counts >= 1, e.g. 8,16,32")
-    return values
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give stage counts, e.g. 8,16,32")
+    return values  # a count < 1 is refused with the pipeline's other settings
 
 
 def add_scale_arguments(p: argparse.ArgumentParser) -> None:
