@@ -12,6 +12,7 @@ import pytest
 
 from dynmo_hpc.runlog import RunLogWriter, load, schema
 from dynmo_hpc.runlog.trajectory import LayerState, layer_states
+from tests.helpers.jobs import run_job
 from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
 
@@ -119,3 +120,15 @@ def test_a_real_run_records_what_its_scheme_stats_say(tmp_path: Path, scheme: st
         loads = log.expert_loads[log.expert_loads["step"] == last["step"]]
         per_layer = loads.groupby("layer")["load"].sum()
         assert len(per_layer) >= 1 and all(0 < x <= top_k + 1e-9 for x in per_layer)
+
+
+@pytest.mark.mpi
+def test_rank_0_records_the_layers_of_every_stage(tmp_path: Path) -> None:
+    cfg = scheme_config(tmp_path, "early_exit", "pipeline.num_stages=2")
+    run_job(cfg)
+    states = load(cfg.run_dir / "run.h5").layer_states
+    last = states[states["step"] == states["step"].max()].sort_values("layer")
+    assert last["layer"].tolist() == list(range(cfg.model.num_layers))  # both stages' layers
+    tokens = last["tokens_kept"].tolist()
+    assert tokens[0] == 1.0 and min(tokens) < 1.0
+    assert tokens == sorted(tokens, reverse=True)  # tokens only ever exit
