@@ -8,7 +8,7 @@ model of MODEL.yaml and priced by the per-layer cost model on the machine file's
 Example::
 
     $ dynmo-hpc simulate --from runs/pruning/run.h5 --model benchmarks/scale_models/pruning.yaml \\
-          --stages 8,16 --machine benchmarks/scale_models/gpu_assumed.json
+          --stages 8,16 --machine benchmarks/machine_h200.json
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.machine is None:
         raise ValueError(
             "--model needs --machine FILE with layer_flops_per_s, layer_bytes_per_s and "
-            "layer_overhead_s; HINT: e.g. --machine benchmarks/scale_models/gpu_assumed.json"
+            "layer_overhead_s; HINT: e.g. --machine benchmarks/machine_h200.json"
         )
 
 

@@ -20,8 +20,9 @@ from dynmo_hpc.sim.cost_model import SchemeState
 from dynmo_hpc.sim.scale import Trajectory
 
 
-def scheme_state(row: LayerState) -> SchemeState:
-    """The cost model's view of one logged layer state."""
+def scheme_state(row: LayerState, sparse_block_size: int = 16) -> SchemeState:
+    """The cost model's view of one logged layer state (``sparse_block_size``: the run's
+    ``schemes.sparse_attention.block_size``)."""
     kv = None if math.isnan(row.kv_tokens_kept) else row.kv_tokens_kept
     return SchemeState(
         neurons_kept=row.neurons_kept,
@@ -33,6 +34,7 @@ def scheme_state(row: LayerState) -> SchemeState:
         frozen_prefix=row.frozen_prefix,
         expert_loads=tuple(row.expert_loads) if row.expert_loads else None,
         exit_head=row.exit_head,
+        sparse_block_size=sparse_block_size,
     )
 
 
@@ -85,7 +87,9 @@ def trajectory_from_runlog(run: RunLog) -> Trajectory:
             f"{run.path}: no load report and no scheme state to replay; HINT: run at least "
             "balance.interval steps"
         )
+    sparse = (run.config.get("schemes") or {}).get("sparse_attention") or {}
+    block = int(sparse.get("block_size", 16))
     steps = sorted(by_step)
     return Trajectory(
-        steps=steps, states=[[scheme_state(s) for s in by_step[step]] for step in steps]
+        steps=steps, states=[[scheme_state(s, block) for s in by_step[step]] for step in steps]
     )
