@@ -200,3 +200,19 @@ def test_calibrate_sim_on_two_runs(tmp_path: Path) -> None:
     assert "action_overhead_s" in json.loads(machine.read_text())
     line = refuse_script("calibrate_sim.py", "--only", "plain_p2_m4")
     assert "at least 2" in line
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_allreduce_reports_the_share_at_two_replicas(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce.json"
+    tiny = ["model.num_blocks=2", "model.d_model=32", "model.num_heads=2", "model.d_ff=64"]
+    tiny += ["model.seq_len=32", "train.micro_batch_size=2"]
+    sets = [arg for value in tiny for arg in ("--set", value)]
+    args = ["--repeats", "1", "--steps", "3", "--out", str(out), *sets]
+    proc = run_script("bench_allreduce.py", *args)
+    assert "| run | replicas x stages |" in proc.stdout and "nan" not in proc.stdout
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["replicas"] == 2 and 0 < row["median_share"] < 1
+    line = refuse_script("bench_allreduce.py", "--steps", "1")
+    assert "--steps 1" in line and "HINT" in line
