@@ -266,3 +266,26 @@ def test_the_replica_count_may_change_on_resume() -> None:
     from dynmo_hpc.config.resume_rules import KeyRule, classify
 
     assert classify("pipeline.replicas") is KeyRule.FREE
+
+
+def test_only_a_rank_that_writes_layers_puts_them_in_the_checkpoint(tmp_path: Path) -> None:
+    """Replica 0 writes each layer; a rank of another replica (``writes_layers=False``) holds
+    the same layers and writes none (one rank here, ``COMM_SELF``)."""
+    from types import SimpleNamespace
+
+    import torch
+    from mpi4py import MPI
+
+    from dynmo_hpc.pipeline import checkpoint, resume
+
+    module = torch.nn.Linear(2, 2)
+    slot = SimpleNamespace(index=0, module=module, optimizer=torch.optim.AdamW(module.parameters()))
+    stage = SimpleNamespace(slots=[slot])
+    for writes, run_dir in [(True, tmp_path / "r0"), (False, tmp_path / "r1")]:
+        directory, _, _ = resume.save(
+            MPI.COMM_SELF, run_dir, 1, stage, 2, {"step": 1}, writes_layers=writes
+        )
+        names = set(checkpoint.manifest_files(directory))
+        layer = checkpoint.layer_name(0)
+        assert (layer in names) == writes and (directory / layer).exists() == writes
+        assert checkpoint.RUN_STATE in names
