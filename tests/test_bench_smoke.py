@@ -29,6 +29,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 """The optional benchmark env with DeepSpeed (``make bench-env``)."""
 
 COVERED_ELSEWHERE = {
+    "ab_breakdown.py": "tests/test_bench_ab.py (on the end-to-end bench's A/B run)",
     "bench_checkpoint.py": "tests/test_bench_checkpoint.py",
     "bench_migration.py": "tests/test_bench_migration.py",
     "stress_runlog_kill.py": "tests/test_runlog_torn_chunk.py",
@@ -200,6 +201,25 @@ def test_calibrate_sim_on_two_runs(tmp_path: Path) -> None:
     assert "action_overhead_s" in json.loads(machine.read_text())
     line = refuse_script("calibrate_sim.py", "--only", "plain_p2_m4")
     assert "at least 2" in line
+
+
+def test_fit_cost_model_refits_the_shipped_samples(tmp_path: Path) -> None:
+    # From the saved samples: the fit and its held-out check, without measuring again.
+    out = tmp_path / "fit.json"
+    samples = str(ROOT / "benchmarks" / "cost_samples_2core.json")
+    proc = run_script("fit_cost_model.py", "--from-samples", samples, "--json-out", str(out))
+    assert "192" in proc.stdout and out.stat().st_size > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_heldout_sim_quick_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "heldout.json"
+    args = ["--quick", "--runs-dir", str(tmp_path / "runs"), "--json-out", str(out)]
+    proc = run_script("heldout_sim.py", *args, timeout_s=600)
+    assert "hidden case:" in proc.stdout
+    table = json.loads(out.read_text())
+    assert len(table["rows"]) == 1 and table["hidden"]["measured_step_s"] > 0
 
 
 @pytest.mark.mpi
