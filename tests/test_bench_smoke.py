@@ -227,3 +227,19 @@ def test_heldout_sim_quick_prints_its_table(tmp_path: Path) -> None:
     assert "hidden case:" in proc.stdout
     table = json.loads(out.read_text())
     assert len(table["rows"]) == 1 and table["hidden"]["measured_step_s"] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_allreduce_reports_the_share_at_two_replicas(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce.json"
+    tiny = ["model.num_blocks=2", "model.d_model=32", "model.num_heads=2", "model.d_ff=64"]
+    tiny += ["model.seq_len=32", "train.micro_batch_size=2"]
+    sets = [arg for value in tiny for arg in ("--set", value)]
+    args = ["--repeats", "1", "--steps", "3", "--out", str(out), *sets]
+    proc = run_script("bench_allreduce.py", *args)
+    assert "| run | replicas x stages |" in proc.stdout and "nan" not in proc.stdout
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["replicas"] == 2 and 0 < row["median_share"] < 1
+    line = refuse_script("bench_allreduce.py", "--steps", "1")
+    assert "--steps 1" in line and "HINT" in line

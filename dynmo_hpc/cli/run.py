@@ -131,11 +131,14 @@ def _report_interrupt(signum: int, run_dir: Path) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Train the job on ``pipeline.num_stages`` local ranks; print the outcome."""
+    """Train the job on ``pipeline.replicas * pipeline.num_stages`` local ranks; print the
+    outcome."""
     cfg = config_mod.load(args.job, args.overrides)
+    replicas = cfg.pipeline.replicas
+    shape = f" ({replicas} replicas x {cfg.pipeline.num_stages} stages)" if replicas > 1 else ""
     print(
-        f"dynmo-hpc {__version__}: job '{cfg.job.name}' on {cfg.pipeline.num_stages} local ranks "
-        f"-> {cfg.run_dir}",
+        f"dynmo-hpc {__version__}: job '{cfg.job.name}' on {cfg.pipeline.world_size} local "
+        f"ranks{shape} -> {cfg.run_dir}",
         flush=True,
     )
     check_allow_change(args)

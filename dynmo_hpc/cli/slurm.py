@@ -127,7 +127,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     job_id = submit_sbatch(script_path)
     out, err = sbatch_log_paths(cfg, job_id)
-    nodes = cfg.slurm.num_nodes(cfg.pipeline.num_stages)
+    nodes = cfg.slurm.num_nodes(cfg.pipeline.world_size)
     print(f"submitted job {job_id}: '{cfg.job.name}' on {nodes} node(s); log {out}", flush=True)
     if not args.wait:
         return 0

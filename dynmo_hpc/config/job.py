@@ -59,13 +59,14 @@ class JobConfig:
         self.schemes.validate_for(self.model)
         self.slurm.validate_for(self.pipeline)
         self.balance.validate_for(self.model)
-        if self.fault.inject_step is not None and self.fault.inject_rank >= (
-            self.pipeline.num_stages
-        ):
+        world_size = self.pipeline.world_size
+        if self.fault.inject_step is not None and self.fault.inject_rank >= world_size:
             raise ConfigError(
-                f"fault.inject_rank={self.fault.inject_rank} is not a rank of the "
-                f"{self.pipeline.num_stages} stages; HINT: pick 0..{self.pipeline.num_stages - 1}"
+                f"fault.inject_rank={self.fault.inject_rank} is not a rank of the job's "
+                f"{world_size} ranks (pipeline.replicas * pipeline.num_stages); "
+                f"HINT: pick 0..{world_size - 1}"
             )
+        self._validate_replicas()
         num_layers = self.model.num_layers
         num_stages = self.pipeline.num_stages
         if num_stages > num_layers:
@@ -85,11 +86,6 @@ class JobConfig:
                 "with elastic.enabled=true: a pack would end the comparison; HINT: set "
                 "elastic.enabled=false for an A/B run"
             )
-        if self.fault.inject_step is not None and self.fault.inject_rank >= num_stages:
-            raise ConfigError(
-                f"fault.inject_rank={self.fault.inject_rank} is not a rank of a "
-                f"{num_stages}-stage job; HINT: use 0..{num_stages - 1}"
-            )
         parts = self.pipeline.partition
         if parts is not None:
             if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != num_layers:
@@ -103,6 +99,25 @@ class JobConfig:
                     f"pipeline.partition={parts} must be strictly increasing: "
                     "every stage needs at least one layer"
                 )
+
+    def _validate_replicas(self) -> None:
+        """Replicas split each step's microbatches evenly, and do not pack (yet)."""
+        replicas = self.pipeline.replicas
+        num_microbatches = self.train.num_microbatches
+        if num_microbatches % replicas:
+            lower = num_microbatches - num_microbatches % replicas
+            raise ConfigError(
+                f"train.num_microbatches({num_microbatches}) is not divisible by "
+                f"pipeline.replicas({replicas}): the replicas split each step's microbatches; "
+                f"HINT: set train.num_microbatches to a multiple of {replicas} "
+                f"(e.g. {max(replicas, lower)})"
+            )
+        if replicas > 1 and self.elastic.enabled:
+            raise ConfigError(
+                f"pipeline.replicas={replicas} with elastic.enabled=true: packing a job with "
+                "replicas is not supported; HINT: set elastic.enabled=false, or "
+                "pipeline.replicas=1"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -245,7 +245,10 @@ class TrainSection:
 @dataclass(frozen=True, kw_only=True)
 class PipelineSection:
     num_stages: int = 2
-    """Pipeline stages; one MPI rank each."""
+    """Pipeline stages per replica; one MPI rank each."""
+    replicas: int = 1
+    """Data-parallel replicas of the pipeline, all on one partition: the job runs on
+    ``replicas * num_stages`` ranks, and the replicas split each step's microbatches."""
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Microbatch schedule."""
     partition: list[int] | None = None
@@ -254,6 +257,16 @@ class PipelineSection:
     def validate(self) -> None:
         if self.num_stages < 1:
             raise ConfigError(f"pipeline.num_stages={self.num_stages} must be >= 1")
+        if self.replicas < 1:
+            raise ConfigError(
+                f"pipeline.replicas={self.replicas} must be >= 1; HINT: 1 runs one pipeline"
+            )
+        at_most("pipeline.replicas", self.replicas, MAX_BATCH, "a typo? try 2")
+
+    @property
+    def world_size(self) -> int:
+        """MPI ranks the job runs on: ``replicas * num_stages``."""
+        return self.replicas * self.num_stages
 
 
 @dataclass(frozen=True, kw_only=True)

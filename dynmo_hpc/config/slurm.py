@@ -126,9 +126,9 @@ class SlurmSection:
     """
 
     nodes: int | None = None
-    """``--nodes``; null = pipeline.num_stages (one stage per node)."""
+    """``--nodes``; null = one node per rank (``pipeline.replicas * pipeline.num_stages``)."""
     tasks_per_node: int = 1
-    """``--ntasks-per-node``: MPI ranks per node; nodes * tasks_per_node >= num_stages."""
+    """``--ntasks-per-node``: MPI ranks per node; nodes * tasks_per_node >= the job's ranks."""
     gpus_per_node: int = 0
     """``--gpus-per-node``; 0 leaves it out (CPU nodes)."""
     cpus_per_task: int = 1
@@ -167,11 +167,12 @@ class SlurmSection:
             return slurm_time_minutes(self.time_min)
         return self.time_min
 
-    def num_nodes(self, num_stages: int) -> int:
-        """The node count to ask for: ``nodes``, or one node per pipeline stage."""
-        return num_stages if self.nodes is None else self.nodes
+    def num_nodes(self, num_ranks: int) -> int:
+        """The node count to ask for: ``nodes``, or one node per rank (``num_ranks``: the
+        job's ``pipeline.world_size``, replicas times stages)."""
+        return num_ranks if self.nodes is None else self.nodes
 
-    def sbatch_options(self, num_stages: int) -> dict[str, Any]:
+    def sbatch_options(self, num_ranks: int) -> dict[str, Any]:
         """The allocation as sbatch-template parameters: the one mapping from this section.
 
         :func:`dynmo_hpc.slurm.sbatch.render_sbatch` takes these keywords (plus the job's name,
@@ -179,7 +180,7 @@ class SlurmSection:
         from them, and :meth:`validate` checks them with the same rules.
         """
         return {
-            "nodes": self.num_nodes(num_stages),
+            "nodes": self.num_nodes(num_ranks),
             "tasks_per_node": self.tasks_per_node,
             "gpus_per_node": self.gpus_per_node,
             "cpus_per_task": self.cpus_per_task,
@@ -200,7 +201,7 @@ class SlurmSection:
     def validate(self) -> None:
         for name in ("partition", "account", "qos", "venv", "conda_env"):
             printable(f"slurm.{name}", getattr(self, name))
-        options = self.sbatch_options(num_stages=1)
+        options = self.sbatch_options(num_ranks=1)
         problems = sbatch_option_problems(options)
         if problems:
             text = "; ".join(
@@ -211,13 +212,18 @@ class SlurmSection:
             )
 
     def validate_for(self, pipeline: PipelineSection) -> None:
-        """One MPI rank per stage: the allocation must hold a task slot for every stage."""
-        num_nodes = self.num_nodes(pipeline.num_stages)
+        """One MPI rank per stage of each replica: the allocation must hold a task slot for
+        every one of them."""
+        num_ranks = pipeline.world_size
+        num_nodes = self.num_nodes(num_ranks)
         slots = num_nodes * self.tasks_per_node
-        if slots < pipeline.num_stages:
+        if slots < num_ranks:
+            needed = f"pipeline.num_stages({pipeline.num_stages})"
+            if pipeline.replicas > 1:
+                needed = f"pipeline.replicas({pipeline.replicas}) * {needed} = {num_ranks}"
             raise ConfigError(
                 f"slurm.nodes({num_nodes}) * slurm.tasks_per_node({self.tasks_per_node}) = "
-                f"{slots} < pipeline.num_stages({pipeline.num_stages}): every stage needs a "
-                "task slot; HINT: raise slurm.nodes or slurm.tasks_per_node, or set "
-                "slurm.nodes: null (one node per stage)"
+                f"{slots} < {needed}: every stage of every replica needs a task slot; "
+                "HINT: raise slurm.nodes or slurm.tasks_per_node, or set slurm.nodes: null "
+                "(one node per rank)"
             )

@@ -203,7 +203,8 @@ def run_local(
     resume_from: Path | None = None,
     overwrite: bool = False,
 ) -> JobOutcome:
-    """Run ``cfg`` on ``pipeline.num_stages`` local ranks; returns how the job ended.
+    """Run ``cfg`` on ``pipeline.replicas * pipeline.num_stages`` local ranks (replica ``r``'s
+    stages are ranks ``r*P .. r*P+P-1``); returns how the job ended.
 
     Used by ``dynmo-hpc run``, the tests and the benchmarks. The run directory is locked for the
     whole job (a second run of the same job name is refused). A new run refuses a run directory
@@ -224,7 +225,7 @@ def run_local(
 
         def run_step(step_cfg: JobConfig, launch: StepLaunch) -> StepResult:
             spec = LaunchSpec(
-                num_ranks=step_cfg.pipeline.num_stages,
+                num_ranks=step_cfg.pipeline.world_size,
                 rank_argv=worker_argv(
                     launch.config_path, resume_from=launch.resume_from, restart=launch.restart
                 ),

@@ -110,17 +110,21 @@ class LoadReport:
         return [s.total_bytes for s in self.sizes]
 
 
-def assemble_load_report(step: int, num_layers: int, ranks: list[RankReport]) -> LoadReport:
-    """Merge the ranks' reports (in rank order) into one by global layer; pure.
+def _one_replica(
+    step: int, num_layers: int, ranks: list[RankReport], first_rank: int
+) -> LoadReport:
+    """Merge one replica's reports (by stage) into one by global layer.
 
-    Every layer must be reported by exactly one rank: a layer reported twice or not at all means
-    the ranks disagree about the partition, which must stop the run rather than skew the balancer.
+    Every layer must be reported by exactly one stage: a layer reported twice or not at all
+    means the ranks disagree about the partition, which must stop the run rather than skew the
+    balancer. ``first_rank``: the world rank of the replica's stage 0 (for the messages).
     """
     owner: dict[int, int] = {}
     forward_s = [0.0] * num_layers
     backward_s = [0.0] * num_layers
     sizes = [LayerSize(0, 0, 0, 0)] * num_layers
-    for rank, report in enumerate(ranks):
+    for stage, report in enumerate(ranks):
+        rank = first_rank + stage
         for index, size in report.sizes.items():
             if index in owner or not 0 <= index < num_layers:
                 raise RuntimeError(
@@ -137,11 +141,46 @@ def assemble_load_report(step: int, num_layers: int, ranks: list[RankReport]) ->
             backward_s[index] = report.backward_s.get(index, 0.0)
     missing = [i for i in range(num_layers) if i not in owner]
     if missing:
-        raise RuntimeError(f"load report at step {step}: no rank reported layers {missing}")
+        raise RuntimeError(
+            f"load report at step {step}: no rank of ranks {first_rank}.."
+            f"{first_rank + len(ranks) - 1} reported layers {missing}"
+        )
     return LoadReport(
         step=step,
         forward_s=forward_s,
         backward_s=backward_s,
         sizes=sizes,
         peak_mem_bytes=[r.peak_mem_bytes for r in ranks],
+    )
+
+
+def assemble_load_report(
+    step: int, num_layers: int, ranks: list[RankReport], num_replicas: int = 1
+) -> LoadReport:
+    """Merge the ranks' reports (in world rank order) into one by global layer; pure.
+
+    With ``num_replicas`` replicas (ranks ``r*P .. r*P+P-1`` are replica ``r``'s stages) every
+    layer must be reported once by each replica. A layer's cost is the **largest** over the
+    replicas, per direction, and a stage's peak memory the largest over its copies: the replicas
+    wait for each other at the gradient all-reduce, so the slowest copy of a stage sets the
+    step's pace, and it is that copy the shared partition must balance (a median would ignore a
+    consistently slow node, which is exactly what the balancer should move work away from).
+    Layer sizes are replica 0's (the replicas hold identical layers).
+
+    Example: two replicas reporting layer 0's forward as 1.0 s and 1.5 s give 1.5 s.
+    """
+    if num_replicas < 1 or len(ranks) % num_replicas:
+        raise ValueError(f"{len(ranks)} rank reports do not split into {num_replicas} replicas")
+    num_stages = len(ranks) // num_replicas
+    replicas = [
+        _one_replica(step, num_layers, ranks[r * num_stages : (r + 1) * num_stages], r * num_stages)
+        for r in range(num_replicas)
+    ]
+    first = replicas[0]
+    return LoadReport(
+        step=step,
+        forward_s=[max(v) for v in zip(*(r.forward_s for r in replicas), strict=True)],
+        backward_s=[max(v) for v in zip(*(r.backward_s for r in replicas), strict=True)],
+        sizes=first.sizes,
+        peak_mem_bytes=[max(v) for v in zip(*(r.peak_mem_bytes for r in replicas), strict=True)],
     )

@@ -33,7 +33,7 @@ from dynmo_hpc.pipeline.device import peak_memory_bytes
 from dynmo_hpc.pipeline.elastic import PackController, pack_result_event
 from dynmo_hpc.pipeline.fault_injection import FaultInjector
 from dynmo_hpc.pipeline.lifecycle import PhaseTracker, TrainResult
-from dynmo_hpc.pipeline.migration import MigrationStats, migrate
+from dynmo_hpc.pipeline.migration import MigrationError, MigrationStats, migrate
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.pipeline.stage import PipelineStage
 
@@ -133,7 +133,9 @@ class LoadReporter:
         plan_parts: list[int] | None = None
         pack_target: dict[str, Any] | None = None
         if self.rank == 0:
-            report = assemble_load_report(step, self.cfg.model.num_layers, gathered)
+            report = assemble_load_report(
+                step, self.cfg.model.num_layers, gathered, self.cfg.pipeline.replicas
+            )
             self._pack_result(step)  # its correction applies to this report's decision
             costs_s = self._record(report)
             # One decision per report: the pack is judged against the best partition at this
@@ -147,16 +149,31 @@ class LoadReporter:
         if new_parts is not None:
             self.phases.enter("migration", step)
             self.faults.at("migration", step)  # its peers are inside the exchange
-            stats = migrate(
-                self.stage,
-                self.migration_comm,
-                new_parts,
-                on_chunk=self.faults.chunk_hook(step),
-            )
+            stats = self._migrate(step, new_parts)
             totals = self.comm.gather(stats, root=0)
             self.state.parts = list(new_parts)
             if self.rank == 0:
                 self._record_migration(step, totals)
+
+    def _migrate(self, step: int, new_parts: list[int]) -> MigrationStats:
+        """Every replica moves the same layers at once, each over its own pipeline
+        (``migration_comm``); a replica whose migration failed verification makes every rank
+        raise (the replicas must never hold different partitions)."""
+        failure: MigrationError | None = None
+        try:
+            stats = migrate(
+                self.stage, self.migration_comm, new_parts, on_chunk=self.faults.chunk_hook(step)
+            )
+        except MigrationError as exc:
+            failure = exc
+        if self.cfg.pipeline.replicas > 1 and self.comm.allreduce(failure is not None, MPI.LOR):
+            raise failure or MigrationError(
+                f"migration to partition {new_parts} failed verification in another replica; "
+                "HINT: resume from the last checkpoint"
+            )
+        if failure is not None:
+            raise failure
+        return stats
 
     def _consider_pack(self, report: LoadReport) -> dict[str, Any] | None:
         """Rank 0: the packing decision (logged); the target stage count and partition, or None."""
@@ -200,6 +217,7 @@ class LoadReporter:
             detail={
                 "new_parts": self.parts,
                 "num_moves": totals[0].num_moves,
+                "num_replicas": self.cfg.pipeline.replicas,
                 "bytes_moved": moved,
                 "seconds": seconds,
             },

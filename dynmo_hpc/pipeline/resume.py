@@ -269,12 +269,16 @@ def save(
     run_state: dict[str, Any] | None,
     after_files: Callable[[], None] | None = None,
     parent: Key | None = None,
+    *,
+    writes_layers: bool = True,
 ) -> tuple[Path, float, int]:
     """Write checkpoint ``step`` collectively; returns (its path, seconds, bytes written).
 
-    Every rank writes its own layers; rank 0 (which passes ``run_state``; the others pass None)
-    then writes the run state and the manifest, last, so the checkpoint is complete only once
-    every file is. A stale directory of the same step (a replay after a crash) is replaced.
+    Every rank with ``writes_layers`` writes its own layers (with data-parallel replicas only
+    replica 0's ranks do: each layer once, since the replicas hold identical copies); rank 0
+    (which passes ``run_state``; the others pass None) then writes the run state and the
+    manifest, last, so the checkpoint is complete only once every file is. A stale directory
+    of the same step (a replay after a crash) is replaced.
     ``after_files`` runs once this rank's layer files are written (fault injection).
     ``parent`` (rank 0): the checkpoint this launch resumed from or wrote last, for the lineage
     record (:mod:`.lineage`).
@@ -286,7 +290,7 @@ def save(
         shutil.rmtree(directory)
     comm.Barrier()
     files: dict[str, dict[str, int]] = {}
-    for slot in pipeline_stage.slots:
+    for slot in pipeline_stage.slots if writes_layers else []:
         data = checkpoint.layer_bytes(slot.index, slot.module, slot.optimizer)
         files[checkpoint.layer_name(slot.index)] = checkpoint.write_file(
             directory, checkpoint.layer_name(slot.index), data

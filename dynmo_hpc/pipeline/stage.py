@@ -99,9 +99,12 @@ class PipelineStage:
         device: torch.device,
         *,
         build_layers: bool = True,
+        first_microbatch: int = 0,
     ) -> None:
         """``build_layers=False`` leaves the stage empty, for a restore that brings its layers
-        through :meth:`replace_layers`."""
+        through :meth:`replace_layers`. ``first_microbatch``: the global index of the schedule's
+        microbatch 0 (a replica trains a block of the global batch,
+        :func:`~dynmo_hpc.pipeline.topology.replica_microbatches`)."""
         self.cfg = cfg
         self.stage = stage
         self.parts = list(parts)
@@ -109,6 +112,9 @@ class PipelineStage:
         self.dataset = dataset
         self.device = device
         self.num_microbatches = cfg.train.num_microbatches
+        """The *global* batch's microbatches: every loss is scaled by its inverse, so the
+        replicas' summed gradients are the global mean."""
+        self.first_microbatch = first_microbatch
         self.spec: Spec = activation_spec(cfg, cfg.train.micro_batch_size)
         self.grad_spec: Spec = {k: v for k, v in self.spec.items() if v[1].is_floating_point}
         """Gradients travel back only for floating-point payload tensors."""
@@ -194,7 +200,10 @@ class PipelineStage:
     # ------------------------------------------------------------------ one step
     def _context(self, step: int, microbatch: int) -> MicrobatchContext:
         tokens, targets = self.dataset.batch(
-            self.cfg.job.seed, step, microbatch, self.cfg.train.micro_batch_size
+            self.cfg.job.seed,
+            step,
+            self.first_microbatch + microbatch,
+            self.cfg.train.micro_batch_size,
         )
         return MicrobatchContext(tokens=tokens.to(self.device), targets=targets.to(self.device))
 

@@ -1,10 +1,15 @@
 """The per-rank training loop: schedule, clip, step, report, checkpoint.
 
-Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); rank ``r`` is pipeline stage
-``r``. Everything collective happens at step boundaries, in the same order on every rank:
+Runs on every rank of an MPI job (see :mod:`dynmo_hpc.launch.worker`); each rank is one stage
+of one data-parallel replica, as its :class:`~dynmo_hpc.pipeline.topology.Topology` says (with
+one replica, rank ``r`` is stage ``r``). Everything collective happens at step boundaries, in the
+same order on every rank:
 
-1. the stage runs its schedule (point-to-point with neighbours only);
-2. ``Allreduce`` of per-layer squared gradient norms (global-norm clipping);
+1. the stage runs its replica's share of the step's microbatches (point-to-point with its
+   pipeline neighbours only), then sums its gradients with the other replicas' copies of the
+   stage (:mod:`.grad_sync`, over the data communicator);
+2. ``Allreduce`` of per-layer squared gradient norms over the replica's pipeline (global-norm
+   clipping, each layer counted once);
 3. optimizer step;
 4. ``gather`` of the step's losses and stage times to rank 0 (progress, run log);
 5. every ``balance.interval`` steps, a load report (per-layer costs and bytes) to rank 0, whose
@@ -44,6 +49,8 @@ from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
 from dynmo_hpc.pipeline.elastic import PackController, resize_event
 from dynmo_hpc.pipeline.fault_injection import make_injector
+from dynmo_hpc.pipeline.grad_sync import all_reduce_grads, check_replicas_agree
+from dynmo_hpc.pipeline.groups import make_groups
 from dynmo_hpc.pipeline.lifecycle import (
     PhaseTracker,
     StopRequest,
@@ -55,6 +62,7 @@ from dynmo_hpc.pipeline.lifecycle import (
 from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
 from dynmo_hpc.pipeline.migration import measure_bandwidth
+from dynmo_hpc.pipeline.run_state import run_state as build_run_state
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 from dynmo_hpc.report_cycle import is_report_step
@@ -68,15 +76,6 @@ def initial_partition(cfg: JobConfig) -> list[int]:
     if cfg.pipeline.partition is not None:
         return list(cfg.pipeline.partition)
     return uniform([1.0] * cfg.model.num_layers, cfg.pipeline.num_stages)
-
-
-def _check_world_size(cfg: JobConfig, comm: MPI.Comm) -> None:
-    num_stages = cfg.pipeline.num_stages
-    if comm.size != num_stages:
-        raise RuntimeError(
-            f"MPI world size ({comm.size}) != pipeline.num_stages ({num_stages}); "
-            f"HINT: launch with -n {num_stages} or set pipeline.num_stages={comm.size}"
-        )
 
 
 def _shared_run_state(
@@ -127,7 +126,8 @@ class Trainer:
         restart: bool = False,
     ) -> None:
         """``restart``: a restart after a failure that left no checkpoint (starts over)."""
-        _check_world_size(cfg, comm)
+        self.groups = make_groups(comm, cfg.pipeline.num_stages, cfg.pipeline.replicas)
+        self.topo = self.groups.topology
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank
@@ -153,7 +153,7 @@ class Trainer:
         self.pipeline_stage.check_invariants()
         self.schemes = SchemeController(cfg)
         if resume_from is not None:
-            self.schemes.resume(self.pipeline_stage.slots, comm.allgather)
+            self.schemes.resume(self.pipeline_stage.slots, self.groups.pipeline.allgather)
             self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
         self.result = _restored_history(state)
         self.packer = PackController(cfg, comm.size, self.num_nodes, self.device)
@@ -176,20 +176,31 @@ class Trainer:
     def _build_stage(self, parts: list[int], build_layers: bool) -> PipelineStage:
         """This rank's stage on ``parts``, linked to its neighbours (layers built unless they
         come from a checkpoint)."""
-        cfg = self.cfg
+        cfg, topo = self.cfg, self.topo
         link = make_link(
-            cfg.runtime.p2p, self.comm, self.rank, cfg.pipeline.num_stages, self.device
+            cfg.runtime.p2p, self.groups.pipeline, topo.stage, topo.num_stages, self.device
         )
         dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+        first_microbatch = topo.microbatches(cfg.train.num_microbatches).start
         return PipelineStage(
-            cfg, self.rank, parts, link, dataset, self.device, build_layers=build_layers
+            cfg,
+            topo.stage,
+            parts,
+            link,
+            dataset,
+            self.device,
+            build_layers=build_layers,
+            first_microbatch=first_microbatch,
         )
 
     def _build_reporter(self, parts: list[int], state: dict[str, Any] | None) -> LoadReporter:
         """The load reporter, its bandwidth measured (collective) and its state restored."""
         cfg = self.cfg
-        migration_comm = self.comm.Dup()
+        # Each replica migrates over its own pipeline; all replicas probe at once and the
+        # slowest rate counts: what R parallel moves get where they share links.
+        migration_comm = self.groups.pipeline.Dup()
         bandwidth = measure_bandwidth(migration_comm) if cfg.balance.algorithm != STATIC else 0.0
+        bandwidth = self.comm.allreduce(bandwidth, op=MPI.MIN)
         tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
         balancer = state.get("balancer", {}) if state else {}
         tracker.costs_s = balancer.get("costs_s")
@@ -269,6 +280,7 @@ class Trainer:
             "launcher": "mpi",
             "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0][:200],
             "world_size": self.comm.size,
+            "num_replicas": self.topo.num_replicas,
             "mpi_host": MPI.Get_processor_name(),
             "device": str(self.device),
             "torch_version": str(torch.__version__),
@@ -329,27 +341,26 @@ class Trainer:
         t0 = time.perf_counter()
         self.phases.enter("step", step)
         self.faults.at("step", step)
-        actions = build_schedule(
-            cfg.pipeline.schedule, self.rank, cfg.pipeline.num_stages, cfg.train.num_microbatches
-        )
+        topo, slots = self.topo, self.pipeline_stage.slots
+        per_replica = cfg.train.num_microbatches // topo.num_replicas
+        actions = build_schedule(cfg.pipeline.schedule, topo.stage, topo.num_stages, per_replica)
         stats = self.pipeline_stage.run_schedule(step, actions)
         self.reporter.accumulator.add(stats.forward_s, stats.backward_s)
+        allreduce_s = all_reduce_grads(self.groups.data, slots)
 
         sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
-        for slot in self.pipeline_stage.slots:
+        for slot in slots:
             sq_norms[slot.index] = squared_grad_norm(slot.module)
-        self.comm.Allreduce(MPI.IN_PLACE, sq_norms, op=MPI.SUM)
+        self.groups.pipeline.Allreduce(MPI.IN_PLACE, sq_norms, op=MPI.SUM)
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)
         self.pipeline_stage.optimizer_step(lr, coefficient)
-        scheme_events = self.schemes.step_end(step, self.pipeline_stage.slots, self.comm.allgather)
+        scheme_events = self.schemes.step_end(step, slots, self.groups.pipeline.allgather)
         self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
 
-        layer_cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
-        gathered = self.comm.gather(
-            (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, layer_cpu_s),
-            root=0,
-        )
+        cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
+        mine = (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, cpu_s)
+        gathered = self.comm.gather((*mine, allreduce_s), root=0)
         self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
         reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
         if reported:
@@ -364,13 +375,14 @@ class Trainer:
         step: int,
         lr: float,
         step_time_s: float,
-        gathered: list[tuple[float, float, float, float, float]],
+        gathered: list[tuple[float, ...]],
         scheme_events: list[dict[str, Any]],
         reported: bool,
     ) -> None:
         """Rank 0: the step's row (with its A/B arm and wall/CPU ratio), its stage times and
         scheme events in the run log; the progress line; a flush after a load report.
-        ``gathered``: per rank, (LM loss, aux loss, compute wall s, idle s, layer CPU s)."""
+        ``gathered``: per rank, (LM loss, aux loss, compute wall s, idle s, layer CPU s,
+        gradient all-reduce s); each replica's losses are its share of the global mean."""
         cfg = self.cfg
         loss = sum(g[0] for g in gathered)
         tokens_per_s = cfg.tokens_per_step / step_time_s
@@ -390,7 +402,11 @@ class Trainer:
             wall_s_per_cpu_s=wall_s_per_cpu_s([g[2] for g in gathered], [g[4] for g in gathered]),
         )
         self.writer.log_stage_times(
-            step=step, compute_s=[g[2] for g in gathered], idle_s=[g[3] for g in gathered]
+            step=step,
+            compute_s=[g[2] for g in gathered],
+            idle_s=[g[3] for g in gathered],
+            num_replicas=self.topo.num_replicas,
+            allreduce_s=[g[5] for g in gathered],
         )
         for event in scheme_events:
             self.writer.log_event(step=step, kind=event["kind"], detail=event)
@@ -465,9 +481,11 @@ class Trainer:
     def _log_start(self) -> None:
         cfg = self.cfg
         log.info(
-            "training %s: %d layers on %d stages %s, %d steps x %d microbatches of %d x %d",
+            "training %s: %d layers on %d replicas x %d stages %s, %d steps x %d microbatches "
+            "of %d x %d",
             cfg.job.name,
             cfg.model.num_layers,
+            cfg.pipeline.replicas,
             cfg.pipeline.num_stages,
             self.parts,
             cfg.train.steps,
@@ -509,36 +527,15 @@ class Trainer:
             )
 
     def run_state(self, step: int) -> dict[str, Any]:
-        """Rank 0: the run's state after ``step`` completed steps (see :mod:`.resume`)."""
-        cfg = self.cfg
-        report = self.reporter.state
-        return {
-            "step": step,
-            "num_stages": cfg.pipeline.num_stages,
-            "parts": list(self.parts),
-            "num_layers": cfg.model.num_layers,
-            "identity": resume.identity(cfg),
-            "config_sha256": resume.config_sha256(cfg),
-            "config": resume.config_dict(cfg),
-            "data": {"next_step": step, "batches": "pure function of (job.seed, step, microbatch)"},
-            "lr_schedule": {"next_step": step, "next_lr": lr_at(step, cfg.train)},
-            "rng": {"seed": cfg.job.seed, "stateful_generators": []},
-            "schemes": self.schemes.run_state(),
-            "balancer": {
-                "costs_s": report.tracker.costs_s,
-                "num_reports": report.num_reports,
-                # None, not Infinity, for one rank (no link): strict JSON
-                "bandwidth_bytes_per_s": report.bandwidth_bytes_per_s
-                if math.isfinite(report.bandwidth_bytes_per_s)
-                else None,
-            },
-            "pack": self.packer.run_state(),
-            "history": {
-                "losses": self.result.losses,
-                "tokens_per_s": self.result.tokens_per_s,
-                "step_time_s": self.result.step_time_s,
-            },
-        }
+        """Rank 0: the run's state after ``step`` completed steps (see :mod:`.run_state`)."""
+        return build_run_state(
+            self.cfg,
+            step,
+            report=self.reporter.state,
+            schemes=self.schemes.run_state(),
+            pack=self.packer.run_state(),
+            result=self.result,
+        )
 
     def _check_signal_budget(self, step: int, checkpoint_s: float) -> None:
         """Rank 0, at this launch's first checkpoint: warn (log and run log) when a step plus a
@@ -560,6 +557,7 @@ class Trainer:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
         state = self.run_state(step) if self.rank == 0 else None
         self.phases.enter("checkpoint", step - 1)
+        check_replicas_agree(self.groups.data, self.pipeline_stage.slots, self.topo.stage)
         directory, seconds, num_bytes = resume.save(
             self.comm,
             self.run_dir,
@@ -569,6 +567,7 @@ class Trainer:
             state,
             after_files=self.faults.hook("checkpoint", step - 1),
             parent=self.lineage_parent,
+            writes_layers=self.topo.writes_layers,
         )
         self.last_checkpoint_monotonic = time.monotonic()
         self.lineage_parent = self._lineage_key(directory)

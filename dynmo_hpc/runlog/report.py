@@ -116,7 +116,7 @@ def _imbalance(imb: pd.DataFrame, run: RunLog, window_steps: int) -> list[str]:
         f"(step {int(worst['step'])})",
         f"Stage times (median over the last {window_steps} steps with stage times):",
     ]
-    stage_times = metrics.last_logged(run.stage_times)
+    stage_times = metrics.per_stage(metrics.last_logged(run.stage_times))
     recent = stage_times[stage_times["step"].isin(imb["step"].tail(window_steps))]
     for stage, group in recent.groupby("stage"):
         lines.append(
@@ -271,7 +271,7 @@ def _no_data(ax: Any, what: str) -> None:
 def plot_stage_compute(run: RunLog) -> Figure:
     """One line per stage: its compute seconds at each step (gaps where the stage did not exist)."""
     fig, ax = _figure("Stage compute time per step", "compute time (s)")
-    stage_times = metrics.last_logged(run.stage_times)
+    stage_times = metrics.per_stage(metrics.last_logged(run.stage_times))
     if stage_times.empty:
         _no_data(ax, "stage times")
         return fig

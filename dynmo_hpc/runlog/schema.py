@@ -63,8 +63,14 @@ A/B run). See :mod:`dynmo_hpc.pipeline.ab`."""
 WALL_CPU_COLUMN = "wall_s_per_cpu_s"
 """``steps``: the step's layers' wall seconds over their thread CPU seconds, largest over the
 ranks (:func:`dynmo_hpc.pipeline.ab.wall_s_per_cpu_s`); NaN where not measured."""
+REPLICA_COLUMN = "replica"
+"""``stage_times``: the data-parallel replica of the row's stage (0 with one replica)."""
+ALLREDUCE_COLUMN = "allreduce_s"
+"""``stage_times``: seconds the stage spent in the step's gradient all-reduce between replicas
+(0 with one replica; NaN where not measured)."""
 ADDED_COLUMNS: dict[str, dict[str, float]] = {
-    "steps": {AB_ARM_COLUMN: -1, WALL_CPU_COLUMN: float("nan")}
+    "steps": {AB_ARM_COLUMN: -1, WALL_CPU_COLUMN: float("nan")},
+    "stage_times": {REPLICA_COLUMN: 0, ALLREDUCE_COLUMN: float("nan")},
 }
 """Columns added within schema version 2, per table, with the value a file written before
 them reads as (readers fill it in; a resumed run's copy of the old rows gets it too). Old
@@ -124,6 +130,8 @@ STAGE_TIMES = TableSpec(
             ("idle_s", "<f8"),
             ("segment", "<i4"),
             ("superseded", "u1"),
+            ("replica", "<i4"),
+            ("allreduce_s", "<f8"),
         ]
     ),
     chunk_rows=4096,

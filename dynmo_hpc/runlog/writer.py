@@ -360,17 +360,33 @@ class RunLogWriter:
         self._rows_added(1)
 
     def log_stage_times(
-        self, *, step: int, compute_s: Sequence[float], idle_s: Sequence[float]
+        self,
+        *,
+        step: int,
+        compute_s: Sequence[float],
+        idle_s: Sequence[float],
+        num_replicas: int = 1,
+        allreduce_s: Sequence[float] | None = None,
     ) -> None:
-        """Per stage: seconds computing and seconds waiting in this step (stage count may vary)."""
+        """Per rank: seconds computing and seconds waiting in this step (stage count may vary).
+
+        Entries are in world rank order, ``num_replicas`` blocks of one replica's stages each
+        (rank ``r * P + s`` is stage ``s`` of replica ``r``); ``allreduce_s``: per rank, the
+        seconds of the gradient all-reduce (None: not measured)."""
         self._check_open()
-        num_stages = _check_same_length("log_stage_times", compute_s=compute_s, idle_s=idle_s)
-        rows = self._buffers[schema.STAGE_TIMES.name]
-        for stage in range(num_stages):
-            rows.append(
-                (int(step), stage, float(compute_s[stage]), float(idle_s[stage]), self._segment, 0)
+        num_ranks = _check_same_length("log_stage_times", compute_s=compute_s, idle_s=idle_s)
+        if num_replicas < 1 or num_ranks % num_replicas:
+            raise ValueError(
+                f"log_stage_times: {num_ranks} ranks do not split into {num_replicas} replicas"
             )
-        self._rows_added(num_stages)
+        num_stages = num_ranks // num_replicas
+        rows = self._buffers[schema.STAGE_TIMES.name]
+        for rank in range(num_ranks):
+            reduce_s = float("nan") if allreduce_s is None else float(allreduce_s[rank])
+            replica, stage = divmod(rank, num_stages)
+            compute, idle = float(compute_s[rank]), float(idle_s[rank])
+            rows.append((int(step), stage, compute, idle, self._segment, 0, replica, reduce_s))
+        self._rows_added(num_ranks)
 
     def log_layer_report(
         self,

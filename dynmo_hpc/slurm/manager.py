@@ -69,11 +69,12 @@ def check_allocation(cfg: config_mod.JobConfig, environ: dict[str, str] | None =
         slots = env.num_tasks
     else:
         slots = env.num_nodes
-    if cfg.pipeline.num_stages > slots:
+    if cfg.pipeline.world_size > slots:
         raise LaunchError(
-            f"pipeline.num_stages({cfg.pipeline.num_stages}) > task slots in SLURM job "
-            f"{env.job_id} ({slots} on {env.num_nodes} nodes); HINT: submit with more nodes or "
-            "--ntasks-per-node, or lower pipeline.num_stages"
+            f"pipeline.replicas({cfg.pipeline.replicas}) * pipeline.num_stages"
+            f"({cfg.pipeline.num_stages}) = {cfg.pipeline.world_size} ranks > task slots in "
+            f"SLURM job {env.job_id} ({slots} on {env.num_nodes} nodes); HINT: submit with more "
+            "nodes or --ntasks-per-node, or lower pipeline.num_stages or pipeline.replicas"
         )
     return slots
 
@@ -184,7 +185,7 @@ def _run_in_allocation(
         else loopback_only,
         slots=slots,
         ranks_per_node=ranks_per_node(
-            cfg.pipeline.num_stages, first.num_nodes, first.tasks_per_node
+            cfg.pipeline.world_size, first.num_nodes, first.tasks_per_node
         ),
     )
     resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id, resume_path)
@@ -281,11 +282,12 @@ class _AllocationSteps:
         """Start one MPI step of ``step_cfg`` on the nodes it needs and wait for it."""
         held = read_slurm_env()
         num_stages = step_cfg.pipeline.num_stages
+        num_ranks = step_cfg.pipeline.world_size  # replica r's stages: ranks r*P .. r*P+P-1
         argv = mpi_step_argv(
             self.launcher,
             worker_argv(launch.config_path, resume_from=launch.resume_from, restart=launch.restart),
-            num_tasks=num_stages,
-            num_nodes=min(held.num_nodes, nodes_for(num_stages, self.ranks_per_node))
+            num_tasks=num_ranks,
+            num_nodes=min(held.num_nodes, nodes_for(num_ranks, self.ranks_per_node))
             if launch.resume_from is not None
             else None,
         )
@@ -296,8 +298,9 @@ class _AllocationSteps:
             ATTEMPT_ENV: str(launch.attempt + 1000 * requeue_count()),
         }
         log.info(
-            "job %s: %d stages on %d task slots (%d nodes); step: %s",
+            "job %s: %d replicas x %d stages on %d task slots (%d nodes); step: %s",
             held.job_id,
+            step_cfg.pipeline.replicas,
             num_stages,
             self.slots,
             held.num_nodes,
@@ -324,7 +327,7 @@ class _AllocationSteps:
 
     def _release(self, cfg: config_mod.JobConfig) -> float:
         held = read_slurm_env()
-        needed = nodes_for(cfg.pipeline.num_stages, self.ranks_per_node)
+        needed = nodes_for(cfg.pipeline.world_size, self.ranks_per_node)
         kept = nodes_after_release(held.node_list, held.node_name, needed)
         if kept is None:
             return 0.0

@@ -139,7 +139,7 @@ def check_fits_cluster(cfg: config_mod.JobConfig, partitions: Sequence[Partition
             "HINT: set slurm.partition to one of them, or null for the default"
         )
     groups = [p for p in partitions if p.name == wanted]
-    nodes = s.num_nodes(cfg.pipeline.num_stages)
+    nodes = s.num_nodes(cfg.pipeline.world_size)
     cpus = s.tasks_per_node * s.cpus_per_task
     mem_mb = config_mod.mem_mb(s.mem_gb)
     fitting = sum(

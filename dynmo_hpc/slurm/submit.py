@@ -230,7 +230,7 @@ def sbatch_parameters_for(cfg: config_mod.JobConfig, config_path: Path) -> dict[
         "config_path": str(config_path),
         "output_dir": str(cfg.run_dir),
         "python": _python(cfg.slurm),
-        **cfg.slurm.sbatch_options(cfg.pipeline.num_stages),
+        **cfg.slurm.sbatch_options(cfg.pipeline.world_size),
     }
 
 
@@ -258,7 +258,7 @@ def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
                 "HINT: write it as --name or --name=value, e.g. --constraint=a100"
             )
         additional[name[2:]] = value if sep else True
-    o = s.sbatch_options(cfg.pipeline.num_stages)
+    o = s.sbatch_options(cfg.pipeline.world_size)
     params: dict[str, Any] = {
         "job_name": cfg.job.name,
         "nodes": o["nodes"],

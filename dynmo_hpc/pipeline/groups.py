@@ -1,0 +1,51 @@
+"""The communicators of an R x P job, split from the world by the :class:`Topology`.
+
+The MPI half of :mod:`dynmo_hpc.pipeline.topology` (which is pure): one ``Comm.Split`` by
+replica gives each replica its pipeline communicator (rank there = stage), one by stage gives
+each stage its data communicator (rank there = replica). Who talks over which:
+
+- ``pipeline``: activations and gradients between stage neighbours, the clipping norm (each layer
+  counted once), scheme decisions, layer migration (each replica moves the same layers over its
+  own pipeline communicator);
+- ``data``: the per-step gradient all-reduce between the copies of one stage;
+- ``world``: step-boundary agreement (stop signals, checkpoint clock), the gathers to rank 0
+  (losses, stage times, load reports) and checkpoints.
+
+With one replica the pipeline communicator spans the world and the data communicator is each
+rank alone, so a pipeline-only job runs exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from dynmo_hpc.pipeline.topology import Topology
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """This rank's topology and the communicators that go with it."""
+
+    topology: Topology
+    world: MPI.Comm
+    pipeline: MPI.Comm
+    """This replica's ranks, ordered by stage (``pipeline.rank == topology.stage``)."""
+    data: MPI.Comm
+    """This stage's ranks, ordered by replica (``data.rank == topology.replica``)."""
+
+
+def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGroups:
+    """Split ``world`` into pipeline and data communicators; collective on ``world``.
+
+    Raises :class:`~dynmo_hpc.errors.ConfigError` (on every rank alike) when the world is not
+    ``num_replicas * num_stages`` ranks.
+    """
+    topology = Topology(
+        world_size=world.size, rank=world.rank, num_stages=num_stages, num_replicas=num_replicas
+    )
+    pipeline = world.Split(color=topology.replica, key=topology.stage)
+    data = world.Split(color=topology.stage, key=topology.replica)
+    assert pipeline.rank == topology.stage and data.rank == topology.replica
+    return RankGroups(topology=topology, world=world, pipeline=pipeline, data=data)

@@ -1,0 +1,133 @@
+"""Data parallel x pipeline on real ranks: replicas change the speed, never the math.
+
+Bounds (docs/data_parallel.md): with two replicas of one microbatch each, the gradient all-reduce
+adds the same two numbers R = 1 adds, so the losses are **bitwise** those of R = 1 and of the
+single-process reference. With more microbatches per replica only the association of the
+gradient sum differs (float32 reassociation), and the per-step losses agree within
+``REASSOCIATION_REL`` relative, the bound the pipeline parity tests hold the pipeline to.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dynmo_hpc.launch.local import launch_local
+from dynmo_hpc.pipeline import checkpoint
+from dynmo_hpc.pipeline.reference import train_reference
+from dynmo_hpc.runlog import load
+from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+REASSOCIATION_REL = 1e-5
+"""Per-step losses of runs whose gradient sums differ only in association (float32)."""
+
+
+def _final_layers(cfg, step):
+    directory = cfg.run_dir / "checkpoint" / f"step_{step}"
+    assert checkpoint.verify(directory) is None
+    return [checkpoint.load_layer(directory, i) for i in range(cfg.model.num_layers)]
+
+
+def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(tmp_path):
+    """R=2 x P=2 with one microbatch per replica: bitwise R=1 x P=2 and the reference; a run
+    that migrates at every report (each replica over its own pipeline) is bitwise the same."""
+    common = ["pipeline.num_stages=2", "train.num_microbatches=2", "train.steps=6"]
+    common += ["checkpoint.at_end=true", "balance.interval=2"]
+    single = tiny_config(tmp_path / "r1", *common, "job.name=r1")
+    static = tiny_config(tmp_path / "r2", *common, "pipeline.replicas=2", "job.name=r2")
+    moving = tiny_config(
+        tmp_path / "r2m",
+        *common,
+        "pipeline.replicas=2",
+        "balance.algorithm=optimal",
+        "balance.force_moves=true",
+        "job.name=r2m",
+    )
+    reference = train_reference(static)
+    got_single, got_static, got_moving = run_job(single), run_job(static), run_job(moving)
+    assert got_static["losses"] == reference.losses  # bitwise
+    assert got_static["losses"] == got_single["losses"]
+    assert got_moving["losses"] == got_static["losses"]
+    assert got_static["losses"][-1] < got_static["losses"][0], "the model should learn"
+
+    log = load(moving.run_dir / "run.h5")
+    migrations = log.events[log.events["kind"] == "migrate"]
+    assert migrations["step"].tolist() == [1, 3], "force_moves migrates at each report"
+    assert {d["num_replicas"] for d in migrations["detail"]} == {2}
+    assert got_moving["parts"] == migrations["detail"].iloc[-1]["new_parts"]
+    assert migrations["detail"].iloc[0]["new_parts"] != [0, 3, 6]  # layers did move
+    assert log.attrs["num_replicas"] == 2
+    st = log.stage_times
+    first_step = st[st["step"] == 0]
+    assert list(zip(first_step["replica"], first_step["stage"], strict=True)) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    assert len(st) == 6 * 4 and (st["allreduce_s"] > 0).all()
+
+    # Every layer written once (replica 0), and the same bits whichever run wrote it.
+    for a, b, c in zip(
+        _final_layers(single, 6), _final_layers(static, 6), _final_layers(moving, 6), strict=True
+    ):
+        for name, tensor in a["module"].items():
+            assert torch.equal(b["module"][name], tensor) and torch.equal(
+                c["module"][name], tensor
+            ), name
+
+
+def test_resume_onto_other_replica_and_stage_counts(tmp_path):
+    """Checkpoint at R=2 x P=2, resume onto R=1 x P=3 and R=2 x P=1: the same losses as the
+    uninterrupted run within the reassociation bound (R=2 x P=1 sums like R=2 x P=2: bitwise)."""
+    common = ["train.num_microbatches=4", "train.steps=4", "checkpoint.every_steps=2"]
+    first = tiny_config(
+        tmp_path / "a", *common, "pipeline.replicas=2", "pipeline.num_stages=2", "job.name=dp"
+    )
+    whole = run_job(first)
+    reference = train_reference(first)
+    assert_losses_close(whole["losses"], reference.losses, rel=REASSOCIATION_REL)
+    step_2 = first.run_dir / "checkpoint" / "step_2"
+    assert json.loads((step_2 / "run_state.json").read_text())["num_replicas"] == 2
+
+    for replicas, stages in [(1, 3), (2, 1)]:
+        out = tmp_path / f"r{replicas}p{stages}"
+        shutil.copytree(first.run_dir, out / "dp")
+        cfg = tiny_config(
+            out,
+            *common,
+            f"pipeline.replicas={replicas}",
+            f"pipeline.num_stages={stages}",
+            "job.name=dp",
+        )
+        rc, run_dir = launch_local(cfg, timeout_s=180, resume_from=out / "dp/checkpoint/step_2")
+        assert rc == 0
+        resumed = json.loads((run_dir / "result.json").read_text())["losses"]
+        assert resumed[:2] == whole["losses"][:2]  # the history the checkpoint carried
+        assert_losses_close(resumed, whole["losses"], rel=REASSOCIATION_REL)
+        assert_losses_close(resumed, reference.losses, rel=REASSOCIATION_REL)
+        if replicas == 2:
+            assert resumed == whole["losses"]  # the same reduction order: bitwise
+
+
+def test_a_scheme_with_replicas_is_bitwise_the_reference(tmp_path):
+    """MoE under R=2 x P=2 (one microbatch per replica; routing differs between the replicas'
+    microbatches): the losses are the reference's bit for bit, and the replicas' layers agree
+    at the final checkpoint (checked there)."""
+    from tests.helpers.scheme_jobs import scheme_config
+
+    cfg = scheme_config(
+        tmp_path,
+        "moe",
+        "pipeline.replicas=2",
+        "pipeline.num_stages=2",
+        "train.num_microbatches=2",
+        "train.steps=6",
+        "checkpoint.at_end=true",
+    )
+    assert run_job(cfg)["losses"] == train_reference(cfg).losses
