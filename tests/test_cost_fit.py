@@ -29,6 +29,7 @@ TRUE = LayerRates(
     indexed_bytes_per_s=2e9,
     op_overhead_s=2e-5,
     overhead_s=1e-5,
+    attention_flops_per_s=1.5e10,
 )
 STATES = [
     ("plain", SchemeState()),
@@ -77,6 +78,7 @@ def test_the_fit_recovers_the_rates_it_was_given() -> None:
         "indexed_bytes_per_s",
         "op_overhead_s",
         "overhead_s",
+        "attention_flops_per_s",
     ):
         assert getattr(rates, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
 

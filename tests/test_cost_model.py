@@ -28,7 +28,9 @@ BLOCK = LayerShape(kind="block", d_model=64, d_ff=256, num_heads=4, seq_len=128,
 N = 256
 QKV_PROJ = 2 * N * 64 * 64 * 4  # q, k, v and the output projection: 8 N C^2
 FFN = 2 * N * 64 * 256 * 2  # c_fc and c_proj: 4 N C F
-PAIRS = 128 * 129 // 2  # causal (query, key) pairs per head per sequence
+# Causal (query, key) pairs per head per sequence as the tiled kernel computes them: 4 tiles
+# of 32 queries, each with every key up to its last query: 32 * (32 + 64 + 96 + 128).
+PAIRS = 32 * (32 + 64 + 96 + 128)
 ATTENTION = 4 * 2 * PAIRS * 64  # Q K^T and A V over all heads (64 channels), 2 sequences
 
 
@@ -45,9 +47,13 @@ def test_matmul_and_elementwise_by_hand() -> None:
 def test_plain_block_flops_by_hand() -> None:
     cost = layer_cost(BLOCK)
     assert QKV_PROJ + FFN == 2 * N * 12 * 64 * 64  # the textbook 24 N C^2 at d_ff = 4 C
-    assert cost.forward_flops == QKV_PROJ + FFN + ATTENTION == 29_392_896
+    assert cost.forward_flops == QKV_PROJ + FFN + ATTENTION == 30_408_704
     # Backward: input and weight gradient per weight matmul, two products per attention one.
-    assert cost.backward_flops == 2 * (QKV_PROJ + FFN) + 2 * ATTENTION == 58_785_792
+    assert cost.backward_flops == 2 * (QKV_PROJ + FFN) + 2 * ATTENTION == 60_817_408
+    assert (cost.forward_attention_flops, cost.backward_attention_flops) == (
+        ATTENTION,
+        2 * ATTENTION,
+    )
     assert cost.ops["mlp_fc"].forward_flops == 2 * N * 64 * 256
 
 
@@ -85,7 +91,8 @@ def test_frozen_drops_the_weight_gradient_and_the_prefix_the_whole_backward() ->
 
 def test_mod_keeps_tokens_and_attends_among_them() -> None:
     mod = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
-    assert mod.forward_flops == (QKV_PROJ + FFN) / 2 + 4 * 2 * (64 * 65 / 2) * 64
+    # 64 kept tokens: 2 tiles of 32 queries, 32 * (32 + 64) pairs per sequence.
+    assert mod.forward_flops == (QKV_PROJ + FFN) / 2 + 4 * 2 * (32 * 96) * 64
 
 
 def test_early_exit_still_projects_every_token_s_keys_and_values() -> None:
@@ -136,6 +143,9 @@ def test_embedding_and_head_by_hand() -> None:
     embedding = layer_cost(LayerShape(kind="embedding", **common))
     assert embedding.forward_flops == embedding.backward_flops == 0
     assert embedding.forward_bytes == 4 * (2 * N * 64 + 128 * 64)
+    # Backward: both tables' gradients zeroed (256 + 128 rows), the output's gradient read
+    # twice (token rows, the batch sum), 128 position rows written and added.
+    assert embedding.backward_bytes == 4 * (2 * N * 64 + 256 * 64 + 3 * 128 * 64)
     head = layer_cost(LayerShape(kind="head", vocab_size=256, **common))
     assert head.forward_flops == 2 * N * 64 * 256
     assert head.backward_flops == 2 * head.forward_flops
@@ -150,6 +160,27 @@ def test_times_from_the_rates() -> None:
     forward_s, backward_s = layer_times_s(cost, rates)
     assert forward_s == pytest.approx(cost.forward_flops / 1e9 + cost.forward_bytes / 1e8 + 1e-4)
     assert backward_s == 0.0
+
+
+def test_attention_flops_at_their_own_rate() -> None:
+    rates = LayerRates(flops_per_s=1e9, bytes_per_s=1e8, attention_flops_per_s=2.5e8)
+    assert pass_time_s(2e9, 0.0, rates, attention_flops=5e8) == pytest.approx(1.5 + 2.0)
+    unset = LayerRates(flops_per_s=1e9, bytes_per_s=1e8)  # None: the matmul rate
+    assert pass_time_s(2e9, 0.0, unset, attention_flops=5e8) == pytest.approx(2.0)
+    cost = layer_cost(BLOCK)
+    forward_s, _ = layer_times_s(cost, rates)
+    matmul_s = (cost.forward_flops - ATTENTION) / 1e9
+    assert forward_s == pytest.approx(matmul_s + ATTENTION / 2.5e8 + cost.forward_bytes / 1e8)
+
+
+def test_early_exit_moves_whole_rows_without_element_indices() -> None:
+    # h[b, t] and index_put take one index per row of 64 values: streaming copies, plain
+    # bytes; MoD's torch.gather takes one per element: indexed bytes.
+    early = layer_cost(BLOCK, SchemeState(tokens_kept=0.5, kv_tokens_kept=1.0))
+    assert early.forward_indexed_bytes == early.backward_indexed_bytes == 0
+    assert early.ops["select"].forward_bytes == 2 * (2 * (N / 2) * 64) * 4
+    mod = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
+    assert mod.forward_indexed_bytes > 0
 
 
 def test_layer_shapes_of_a_model() -> None:

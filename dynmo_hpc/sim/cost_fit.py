@@ -7,14 +7,16 @@ small layers (dispatch and caches matter as much as peak FLOP/s), so they are fi
 measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width left out of the
 fit: the check that the model carries to shapes it was not fitted on.
 
-The fit: a pass's time is linear in six unknowns,
-``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + ops o + c`` (``F_fwd`` is 0 in a
-backward row and ``F_bwd`` in a forward one; ``a_f = 1 / flops_per_s``,
+The fit: a pass's time is linear in seven unknowns,
+``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + ops o + c + A a_att`` (``F_fwd`` and
+``F_bwd`` are the matmul FLOPs outside attention, ``F_fwd`` 0 in a backward row and ``F_bwd``
+in a forward one; ``A`` the pass's attention FLOPs; ``a_f = 1 / flops_per_s``,
 ``a_b = 1 / backward_flops_per_s``, ``b = 1 / bytes_per_s``, ``i = 1 / indexed_bytes_per_s``,
-``o = op_overhead_s``, ``c = overhead_s``). Least squares on *relative* error (each row divided
-by its measured time), so a 0.1 ms embedding weighs as much as a 20 ms block; all unknowns
->= 0 (an exact non-negative least squares: the best unconstrained fit over every subset of the
-unknowns, keeping the best whose values are all >= 0; six unknowns, 64 small solves). An
+``o = op_overhead_s``, ``c = overhead_s``, ``a_att = 1 / attention_flops_per_s``). Least
+squares on *relative* error (each row divided by its measured time), so a 0.1 ms embedding
+weighs as much as a 20 ms block; all unknowns >= 0 (an exact non-negative least squares: the
+best unconstrained fit over every subset of the unknowns, keeping the best whose values are
+all >= 0; seven unknowns, 128 small solves). An
 unknown whose column is 0 in every row (no measured layer gathers anything) is left out and its
 rate left unset. Pure: numpy on the samples' numbers.
 """
@@ -38,6 +40,7 @@ UNKNOWNS = (
     "s_per_indexed_byte",
     "op_overhead_s",
     "overhead_s",
+    "attention_s_per_flop",
 )
 """The fitted unknowns, in the order of :func:`features` columns."""
 
@@ -65,20 +68,22 @@ def features(sample: Sample) -> tuple[list[float], list[float]]:
     """The forward row and the backward row of the fit's design matrix (:data:`UNKNOWNS`)."""
     cost = layer_cost(sample.shape, sample.state)
     forward = [
-        cost.forward_flops,
+        cost.forward_flops - cost.forward_attention_flops,
         0.0,
         cost.forward_bytes,
         cost.forward_indexed_bytes,
         float(cost.forward_ops),
         1.0,
+        cost.forward_attention_flops,
     ]
     backward = [
         0.0,
-        cost.backward_flops,
+        cost.backward_flops - cost.backward_attention_flops,
         cost.backward_bytes,
         cost.backward_indexed_bytes,
         float(cost.backward_ops),
         1.0,
+        cost.backward_attention_flops,
     ]
     return forward, backward
 
@@ -135,6 +140,7 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
                 "HINT: measure wider layers (matmul-bound) and narrow ones (overhead-bound)"
             )
     indexed = fitted["s_per_indexed_byte"]
+    attention = fitted["attention_s_per_flop"]
     return LayerRates(
         flops_per_s=1.0 / fitted["forward_s_per_flop"],
         backward_flops_per_s=1.0 / fitted["backward_s_per_flop"],
@@ -142,6 +148,7 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
         indexed_bytes_per_s=1.0 / indexed if indexed > 0 else None,
         op_overhead_s=fitted["op_overhead_s"],
         overhead_s=fitted["overhead_s"],
+        attention_flops_per_s=1.0 / attention if attention > 0 else None,
     )
 
 

@@ -21,12 +21,19 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
 - backward of a matmul with a weight is an input-gradient matmul (same FLOPs and bytes as the
   forward) and a weight-gradient matmul (same again); attention's two products have no weight and
   their backward is two products each (4x the forward's score FLOPs in all, all input gradient);
-- causal attention counts the (query, key) pairs it computes: ``t_q (t_kv + 1) / 2`` per head
-  per sequence; MoD's kept tokens attend among themselves; early exit's active queries attend to
-  every token's keys through an explicit mask, so its kernel computes all ``t_q t_kv`` pairs;
-- indexed bytes: gathers and scatters (MoD's routing, early exit's active tokens, block-sparse
-  attention's kept key blocks) move each element with its int64 index, at a rate of their own
-  (``LayerRates.indexed_bytes_per_s``): 16 bytes an element (value read, value written, index);
+- causal attention counts the (query, key) pairs its fused kernel computes: the kernel walks
+  the queries in tiles of :func:`causal_tile` rows and computes, for each tile, every key up to
+  the tile's last query, so ``t_q (t_kv + tile) / 2`` per head per sequence (at most
+  ``t_q t_kv``), not the exact ``t_q (t_kv + 1) / 2``; MoD's kept tokens attend among themselves;
+  early exit's active queries attend to every token's keys through an explicit mask, so its
+  kernel computes all ``t_q t_kv`` pairs. Attention's FLOPs are also counted apart
+  (``LayerCost.forward_attention_flops``): products whose inner or outer size is the head size
+  run at a rate of their own (``LayerRates.attention_flops_per_s``);
+- indexed bytes: element gathers and scatters (MoD's routing, block-sparse attention's kept key
+  blocks: ``torch.gather`` with an int64 index per element) move each element with its index,
+  at a rate of their own (``LayerRates.indexed_bytes_per_s``): 16 bytes an element (value read,
+  value written, index). Row gathers (early exit's ``h[b, t]`` and ``index_put``: one index
+  per row of ``d_model`` values) are streaming copies: plain bytes;
 - block-sparse attention (``attention_density < 1``) is the project's kernel
   (:mod:`dynmo_hpc.model.schemes.sparse_attention`): whole ``sparse_block_size`` key blocks,
   gathered, with the score matrix materialised (its bytes counted) and one op group per run of
@@ -49,9 +56,10 @@ Scheme state (:class:`SchemeState`) and what it removes:
 - freezing: ``frozen`` drops the weight-gradient half of the backward; ``frozen_prefix`` (inside
   the prefix below the first trainable layer) drops the backward altogether.
 
-Time of a pass: ``flops / flops_per_s + bytes / bytes_per_s + indexed_bytes /
-indexed_bytes_per_s + ops * op_overhead_s + overhead_s`` (:func:`pass_time_s`; the backward
-may have a FLOP rate of its own); a pass with no work (a frozen prefix's backward) costs 0.
+Time of a pass: ``(flops - attention_flops) / flops_per_s + attention_flops /
+attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s + ops *
+op_overhead_s + overhead_s`` (:func:`pass_time_s`; the backward may have a matmul FLOP rate of
+its own); a pass with no work (a frozen prefix's backward) costs 0.
 """
 
 from __future__ import annotations
@@ -172,6 +180,8 @@ class OpCost:
     backward_count: int | None = None
     """Operations in the backward; None: ``count``. Index bookkeeping (masks, positions, top-k)
     runs forward only."""
+    attention: bool = False
+    """Attention's products (scores, weighted values): FLOPs at ``attention_flops_per_s``."""
 
     def has_forward(self) -> bool:
         """Whether the forward does any work (counts toward the forward's ops)."""
@@ -199,6 +209,10 @@ class LayerCost:
     """Operations with forward work (each charged ``LayerRates.op_overhead_s``)."""
     backward_ops: int = 0
     """Operations with backward work (0 in a frozen prefix)."""
+    forward_attention_flops: float = 0.0
+    """The part of ``forward_flops`` in attention's products (:attr:`OpCost.attention`)."""
+    backward_attention_flops: float = 0.0
+    """The part of ``backward_flops`` in attention's products."""
 
 
 def matmul(m: float, k: float, n: float, *, weight: bool = True, bias: bool = False) -> OpCost:
@@ -219,18 +233,37 @@ def elementwise(elements: float) -> OpCost:
     return OpCost(0.0, 2.0 * elements * BYTES_PER_VALUE, 0.0, 3.0 * elements * BYTES_PER_VALUE)
 
 
-def attention_core(batch: int, width: float, t_q: float, t_kv: float, density: float) -> OpCost:
+def causal_tile(t_q: float) -> int:
+    """Query rows per tile of the fused causal attention kernel: PyTorch's CPU flash attention
+    splits the queries into 32 rows below 192 of them, 64 below 768, 256 from there on (the
+    measured layers run 64 and 128 tokens: 32)."""
+    if t_q < 192:
+        return 32
+    return 64 if t_q < 768 else 256
+
+
+def causal_pairs(t_q: float, t_kv: float) -> float:
+    """(query, key) pairs a tiled causal kernel computes per sequence and channel: each tile of
+    ``tile`` queries takes every key up to its last query, ``t_q (t_kv + tile) / 2`` in all
+    (the exact causal count is ``t_q (t_kv + 1) / 2``), at most ``t_q t_kv``."""
+    return min(t_q * t_kv, t_q * (t_kv + causal_tile(t_q)) / 2)
+
+
+def attention_core(
+    batch: int, width: float, t_q: float, t_kv: float, density: float, *, masked: bool = False
+) -> OpCost:
     """Scores and weighted values of ``width`` attention channels (heads x head size), fused.
 
-    Pairs per sequence: ``density * t_q * (t_kv + 1) / 2``; each costs ``2 width`` FLOPs in
-    ``Q K^T`` and again in ``A V``; backward is two products per forward product. Bytes: Q, K,
-    V read and Y written forward; Q, K, V, dY read and dQ, dK, dV written backward (Y is
-    re-read as well by fused kernels: counted)."""
-    pairs = density * t_q * (t_kv + 1) / 2
+    Pairs per sequence: ``density * causal_pairs(t_q, t_kv)`` (``masked``: all ``t_q t_kv``,
+    as a kernel given an explicit mask computes); each costs ``2 width`` FLOPs in ``Q K^T`` and
+    again in ``A V``; backward is two products per forward product. Bytes: Q, K, V read and Y
+    written forward; Q, K, V, dY read and dQ, dK, dV written backward (Y is re-read as well by
+    fused kernels: counted)."""
+    pairs = t_q * t_kv if masked else density * causal_pairs(t_q, t_kv)
     flops = 4.0 * batch * pairs * width
     forward_bytes = batch * width * (2 * t_q + 2 * t_kv) * BYTES_PER_VALUE
     backward_bytes = batch * width * (4 * t_q + 4 * t_kv) * BYTES_PER_VALUE
-    return OpCost(flops, forward_bytes, 2 * flops, backward_bytes)
+    return OpCost(flops, forward_bytes, 2 * flops, backward_bytes, attention=True)
 
 
 INDEX_BYTES = 8
@@ -257,6 +290,20 @@ def scatter(elements: float, target_elements: float) -> OpCost:
         dgrad_bytes=copy,
         dgrad_indexed_bytes=2 * moved,
     )
+
+
+def row_gather(elements: float, source_elements: float) -> OpCost:
+    """Gather whole rows (``h[b, t]``: one index per row of values): a streaming copy, read
+    and write; backward zeroes the source's gradient and copies the rows' gradients in."""
+    copy = 2 * elements * BYTES_PER_VALUE
+    return OpCost(forward_bytes=copy, dgrad_bytes=source_elements * BYTES_PER_VALUE + copy)
+
+
+def row_scatter(elements: float, target_elements: float) -> OpCost:
+    """Put whole rows into a copy of a ``target_elements`` tensor (``index_put``); backward
+    copies the target's gradient and copies the rows' gradients out."""
+    copy = 2 * (target_elements + elements) * BYTES_PER_VALUE
+    return OpCost(forward_bytes=copy, dgrad_bytes=copy)
 
 
 def blocks_kept(num_blocks: int, density: float) -> list[int]:
@@ -292,7 +339,9 @@ def block_sparse_attention(
     qkv = batch * width * t_q
     groups = len(set(blocks_kept(max(1, round(nb)), density)))
     return {
-        "attention": OpCost(flops, 6 * scores, 2 * flops, 9 * scores, count=GROUP_OPS * groups),
+        "attention": OpCost(
+            flops, 6 * scores, 2 * flops, 9 * scores, count=GROUP_OPS * groups, attention=True
+        ),
         "attention_rank": OpCost(forward_bytes=2 * qkv * BYTES_PER_VALUE, count=RANK_OPS),
         "attention_gather": gather(2 * batch * kept * bs * width, 2 * qkv),
     }
@@ -327,10 +376,8 @@ def _attention(shape: LayerShape, state: SchemeState, t_q: float, t_kv: float) -
         return block_sparse_attention(
             b, width, heads, t_q, state.attention_density, state.sparse_block_size
         )
-    if state.kv_tokens_kept is not None and t_q < t_kv:
-        # pairs = t_q (t_kv' + 1) / 2 with t_kv' = 2 t_kv - 1: every (query, key) pair
-        return {"attention": attention_core(b, width, t_q, 2 * t_kv - 1, 1.0)}
-    return {"attention": attention_core(b, width, t_q, t_kv, 1.0)}
+    masked = state.kv_tokens_kept is not None and t_q < t_kv
+    return {"attention": attention_core(b, width, t_q, t_kv, 1.0, masked=masked)}
 
 
 def _token_selection(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
@@ -351,11 +398,11 @@ def _token_selection(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]
             "combine": elementwise(3 * n_q * c),
             "scatter": scatter(n_q * c, n_all * c),
         }
-    return {  # early exit: active tokens and their queries packed, the output put back
-        "select": gather(2 * n_q * c, n_all * c),
-        "pack_queries": replace(scatter(n_q * c, n_q * c), count=4, backward_count=1),
-        "unpack": gather(n_q * c, n_q * c),
-        "scatter": scatter(n_q * c, n_all * c),
+    return {  # early exit: active rows and their queries packed, the output rows put back
+        "select": row_gather(2 * n_q * c, n_all * c),
+        "pack_queries": replace(row_scatter(n_q * c, n_q * c), count=4, backward_count=1),
+        "unpack": row_gather(n_q * c, n_q * c),
+        "scatter": row_scatter(n_q * c, n_all * c),
     }
 
 
@@ -390,12 +437,15 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
 
 
 def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
-    """Token plus position lookup: rows read and summed forward, scattered into the tables'
-    gradients backward (weight gradient only: the input is token ids); three operations (two
-    lookups and the sum)."""
-    n, c = shape.micro_batch * shape.seq_len, shape.d_model
-    forward = (2 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
-    backward = (3 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
+    """Token plus position lookup: rows read and summed forward; backward (weight gradient
+    only: the input is token ids) zero-fills both tables' gradients (``vocab_size + seq_len``
+    rows, however few tokens), adds the output's gradient into the token table's rows (one read
+    of it; the table stays in cache), sums it over the batch for the position table (a second
+    read, ``seq_len`` rows written) and adds those in; three operations (two lookups and the
+    sum)."""
+    n, c, t = shape.micro_batch * shape.seq_len, shape.d_model, shape.seq_len
+    forward = (2 * n * c + t * c) * BYTES_PER_VALUE
+    backward = (2 * n * c + shape.vocab_size * c + 3 * t * c) * BYTES_PER_VALUE
     return {"lookup": OpCost(0.0, forward, 0.0, 0.0, 0.0, backward, count=3)}
 
 
@@ -413,7 +463,8 @@ def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost
     """The layer's FLOPs and bytes per microbatch, forward and backward, under ``state``.
 
     Example: a block with d_model 64, d_ff 256, 4 heads, 128 tokens, micro batch 2 and no
-    scheme does ``2*256*(12*64*64) + 4*2*(128*129/2)*64`` forward FLOPs.
+    scheme does ``2*256*(12*64*64) + 4*2*(128*(128+32)/2)*64`` forward FLOPs (the second term
+    its ``forward_attention_flops``).
     """
     state = state or SchemeState()
     shape.check()
@@ -435,8 +486,11 @@ def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost
     if not state.frozen:
         backward_flops += sum(op.wgrad_flops for op in ops.values())
         backward_bytes += sum(op.wgrad_bytes for op in ops.values())
+    attention = [op for op in ops.values() if op.attention]
+    forward_attention = sum(op.forward_flops for op in attention)
+    backward_attention = sum(op.dgrad_flops for op in attention)
     if state.frozen_prefix:
-        backward_flops = backward_bytes = backward_indexed = 0.0
+        backward_flops = backward_bytes = backward_indexed = backward_attention = 0.0
         backward_ops = 0
     return LayerCost(
         forward_flops=sum(op.forward_flops for op in ops.values()),
@@ -448,6 +502,8 @@ def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost
         backward_indexed_bytes=backward_indexed,
         forward_ops=sum(op.count for op in ops.values() if op.has_forward()),
         backward_ops=backward_ops,
+        forward_attention_flops=forward_attention,
+        backward_attention_flops=backward_attention,
     )
 
 
@@ -459,19 +515,25 @@ def pass_time_s(
     indexed_bytes: float = 0.0,
     num_ops: int = 0,
     backward: bool = False,
+    attention_flops: float = 0.0,
 ) -> float:
-    """Seconds of one pass: ``flops / flops_per_s + bytes / bytes_per_s + indexed_bytes /
-    indexed_bytes_per_s + num_ops * op_overhead_s + overhead_s`` (the backward's FLOPs at
-    ``rates.backward_flops_per_s`` when set); 0 for a pass with no work (a frozen prefix's
+    """Seconds of one pass: ``(flops - attention_flops) / flops_per_s + attention_flops /
+    attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s + num_ops
+    * op_overhead_s + overhead_s`` (``attention_flops``, the part of ``flops`` in attention's
+    products, is at most ``flops``; the backward's matmul FLOPs at
+    ``rates.backward_flops_per_s`` when set; attention's at the matmul rate when
+    ``rates.attention_flops_per_s`` is unset); 0 for a pass with no work (a frozen prefix's
     backward is not run at all)."""
     if flops == 0 and nbytes == 0 and indexed_bytes == 0:
         return 0.0
     flops_per_s = rates.flops_per_s
     if backward and rates.backward_flops_per_s is not None:
         flops_per_s = rates.backward_flops_per_s
+    attention_per_s = rates.attention_flops_per_s or flops_per_s
     indexed_per_s = rates.indexed_bytes_per_s or rates.bytes_per_s
     return (
-        flops / flops_per_s
+        (flops - attention_flops) / flops_per_s
+        + attention_flops / attention_per_s
         + nbytes / rates.bytes_per_s
         + indexed_bytes / indexed_per_s
         + num_ops * rates.op_overhead_s
@@ -487,6 +549,7 @@ def layer_times_s(cost: LayerCost, rates: LayerRates) -> tuple[float, float]:
         rates,
         indexed_bytes=cost.forward_indexed_bytes,
         num_ops=cost.forward_ops,
+        attention_flops=cost.forward_attention_flops,
     )
     backward_s = pass_time_s(
         cost.backward_flops,
@@ -495,6 +558,7 @@ def layer_times_s(cost: LayerCost, rates: LayerRates) -> tuple[float, float]:
         indexed_bytes=cost.backward_indexed_bytes,
         num_ops=cost.backward_ops,
         backward=True,
+        attention_flops=cost.backward_attention_flops,
     )
     return forward_s, backward_s
 

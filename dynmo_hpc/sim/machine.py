@@ -84,10 +84,21 @@ class LayerRates:
     op_overhead_s: float = 0.0
     """Seconds per operation per pass (``LayerCost.forward_ops`` / ``backward_ops``): the
     dispatch of each op's kernels, which a layer of many small ops pays many times."""
+    attention_flops_per_s: float | None = None
+    """FLOP/s of attention's two products (scores and weighted values, forward and backward):
+    their inner or outer dimension is the head size, far below a dense matmul's, so a CPU runs
+    them several times slower; None: the matmul rates."""
 
     def check(self) -> None:
         """Raise ValueError unless every rate is finite and > 0 and the overheads >= 0."""
-        for name in ("flops_per_s", "bytes_per_s", "backward_flops_per_s", "indexed_bytes_per_s"):
+        rates = (
+            "flops_per_s",
+            "bytes_per_s",
+            "backward_flops_per_s",
+            "indexed_bytes_per_s",
+            "attention_flops_per_s",
+        )
+        for name in rates:
             value = getattr(self, name)
             if value is None:
                 continue
@@ -124,7 +135,8 @@ class MachineModel:
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
-    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``); None: the file has none."""
+    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``, ``layer_attention_flops_per_s``);
+    None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -184,6 +196,7 @@ _OPTIONAL_RATE_KEYS = {
     "layer_backward_flops_per_s": "backward_flops_per_s",
     "layer_indexed_bytes_per_s": "indexed_bytes_per_s",
     "layer_op_overhead_s": "op_overhead_s",
+    "layer_attention_flops_per_s": "attention_flops_per_s",
 }
 _OPTIONAL_KEYS = (
     "latency_s",
