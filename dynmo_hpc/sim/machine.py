@@ -64,8 +64,9 @@ class Overheads:
 class LayerRates:
     """What one rank of the machine does per second, for :mod:`dynmo_hpc.sim.cost_model`.
 
-    A layer pass costs ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``: additive
-    rather than a roofline maximum, so that the three constants are a linear least-squares fit
+    A layer pass costs ``flops / flops_per_s + bytes / bytes_per_s + overhead_s`` and the
+    terms below (:func:`dynmo_hpc.sim.cost_model.pass_time_s`): additive rather than a roofline
+    maximum, so that the three constants are a linear least-squares fit
     on measured per-layer costs (on a CPU running small layers neither term dominates).
     """
 
