@@ -66,7 +66,7 @@ class LayerRates:
 
     A layer pass costs ``flops / flops_per_s + bytes / bytes_per_s + overhead_s`` and the
     terms below (:func:`dynmo_hpc.sim.cost_model.pass_time_s`): additive rather than a roofline
-    maximum, so that the three constants are a linear least-squares fit
+    maximum, so that the rates are a linear least-squares fit
     on measured per-layer costs (on a CPU running small layers neither term dominates).
     """
 
