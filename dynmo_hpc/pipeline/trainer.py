@@ -317,6 +317,7 @@ class Trainer:
                 {
                     **target,
                     "num_stages": target["to_stages"],
+                    "num_replicas": target["to_replicas"],
                     "parts": target["parts"],
                     "step": step + 1,
                     "checkpoint": str(directory),
@@ -325,8 +326,11 @@ class Trainer:
                 },
             )
             log.warning(
-                "packing %d -> %d stages after step %d: checkpoint %s, ending this MPI step",
+                "packing %d x %d -> %d x %d (replicas x stages) after step %d: checkpoint %s, "
+                "ending this MPI step",
+                self.cfg.pipeline.replicas,
                 self.cfg.pipeline.num_stages,
+                target["to_replicas"],
                 target["to_stages"],
                 step + 1,
                 directory,
@@ -361,6 +365,8 @@ class Trainer:
         mine = (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, cpu_s)
         gathered = self.comm.gather((*mine, allreduce_s), root=0)
         self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
+        if self.rank == 0:
+            self.reporter.allreduce_s.append(max(g[5] for g in gathered))
         reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
         if reported:
             self.reporter.report(step)
