@@ -17,6 +17,7 @@ from dynmo_hpc.handoff import resize
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import StepResult, supervise
 from dynmo_hpc.runlog import load
+from dynmo_hpc.runlog.report import write_report
 from tests.helpers.jobs import assert_losses_close, tiny_config
 from tests.test_data_parallel import REASSOCIATION_REL
 
@@ -60,6 +61,9 @@ def test_two_replicas_pack_to_one_with_the_same_losses(tmp_path):
     assert (resized["from_replicas"], resized["to_replicas"]) == (2, 1)
     assert (resized["from_nodes"], resized["to_nodes"]) == (4, 2)
     assert "replicas: 1" in (packed.run_dir / "config.yaml").read_text()
+
+    summary = write_report(packed.run_dir / "run.h5", tmp_path / "report").summary
+    assert "2 x 2 -> 1 x 2 (replicas x stages), 4 -> 2 nodes" in summary, summary
 
     first_packed = ranks.index(2)
     assert got["losses"][:first_packed] == want["losses"][:first_packed]  # the same run so far

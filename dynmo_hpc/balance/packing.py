@@ -1,5 +1,6 @@
-"""The packing decision: run the same model on fewer stages when that costs (almost) no
-throughput, and hand the freed nodes back.
+"""The packing decision: run the same model on fewer stages, or fewer data-parallel replicas,
+when that costs (almost) no throughput (or buys tokens per node-hour), and hand the freed nodes
+back.
 
 Why a model of step time and not just the bottleneck: with fewer stages the pipeline's
 fill-and-drain bubble shrinks, so a smaller pipeline can be as fast as a larger one whose
@@ -16,13 +17,28 @@ stages, are then the limit. The prediction for the partition in force is compare
 measured step time, and that ratio calibrates every prediction (``calibration``), so modelling
 error common to all stage counts cancels.
 
+With ``R`` replicas (``PackRequest.num_replicas``) the measured costs are one replica's, for its
+``M / R`` microbatches; times ``R`` they are the whole global batch on one pipeline, the unit
+every size is priced in. A size of ``R'`` replicas x ``P'`` stages then takes
+
+    step_s = (M / R' + P' - 1) * (max stage load / M + 2 * comm_s) + allreduce_s(R', P')
+
+(the core limit becomes ``total load / min(R' P', num_cpu_slots)``): each replica trains
+``M / R'`` microbatches, so fewer replicas mean more microbatches per pipeline (roughly
+``R / R'`` times the compute part) but a smaller share of fill-and-drain bubble and a smaller
+all-reduce. ``allreduce_s`` is the measured all-reduce now (the slowest rank's), scaled by the
+ring all-reduce's bytes per rank ``2 (R' - 1) / R'`` against ``2 (R - 1) / R`` (none at one
+replica) and, when the layers' state bytes are known, by the heaviest stage's bytes on the
+candidate's partition against the current one's (fewer stages: each rank reduces more layers).
+
 What a pack is compared with (so that it is credited only with what packing does):
 
 - ``rebalanced``: the best partition at the current stage count (``balance.optimal``). A
   rebalance could reach it without a restart, so a pack's gain and its saving are measured
   from it, never from the partition in force.
 - ``reference_tokens_per_s``: the bound's reference, the higher of the best predicted tokens/s
-  at the job's original stage count (``original_stages``) on the current costs and
+  at the job's original size (``original_replicas`` x ``original_stages``) on the current costs
+  and
   ``rebalanced``'s (and a floor the caller may give, ``PackRequest.reference_tokens_per_s``).
   It does not fall with the stage count, so repeated decisions on constant costs cannot walk
   down one stage at a time: the bound is always against the original size. It is predicted
@@ -33,14 +49,17 @@ What a pack is compared with (so that it is credited only with what packing does
   is its error across a change of size, so it divides every smaller candidate's predicted
   speed. Capped at 1 so that a lucky measurement never licenses a pack the model does not.
 
-Every smaller stage count is tried with its optimal partition under the memory capacity. A
-layer's memory is its fixed bytes (weights, gradients, optimizer state) plus its activation
+Every smaller size is tried with its optimal partition under the memory capacity: as many
+replicas or fewer (a count dividing ``M``, so that the global batch stays and the microbatches
+re-split) times as many stages or fewer, except the current size (:func:`smaller_sizes`). Fewer
+replicas at the same stage count keep the partition (its optimum does not depend on ``R'``).
+A layer's memory is its fixed bytes (weights, gradients, optimizer state) plus its activation
 bytes per microbatch times the microbatches in flight on stage 0 of the candidate (1F1B: stage
-``s`` of ``P`` holds at most ``P - s``, so ``min(M, P)``; GPipe: ``M``): safe wherever the layer
-lands. A candidate must
+``s`` of ``P`` holds at most ``P - s``, so ``min(M / R', P)``; GPipe: ``M / R'``): safe wherever
+the layer lands. A candidate must
 
-- release at least one whole node (``ranks_per_node`` ranks each; locally every rank is its
-  own "node", i.e. ``ranks_per_node = 1``), never part of one;
+- release at least one whole node (its ``R' x P'`` ranks at ``ranks_per_node`` ranks each;
+  locally every rank is its own "node", i.e. ``ranks_per_node = 1``), never part of one;
 - fit every stage in memory (``capacity_bytes`` per stage);
 - not go below ``min_stages``;
 - keep its predicted tokens/s (corrected) at least ``(1 - max_slowdown) x reference``, under

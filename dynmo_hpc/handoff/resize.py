@@ -59,6 +59,14 @@ def take_phases(run_dir: Path) -> dict[str, Any] | None:
     return _take(run_dir / RESIZE_PHASES)
 
 
+def size_change(from_replicas: int, from_stages: int, to_replicas: int, to_stages: int) -> str:
+    """``"4 -> 2 stages"`` for one pipeline, ``"2 x 2 -> 1 x 2 (replicas x stages)"`` when
+    either side has replicas (logs and the report)."""
+    if from_replicas == 1 and to_replicas == 1:
+        return f"{from_stages} -> {to_stages} stages"
+    return f"{from_replicas} x {from_stages} -> {to_replicas} x {to_stages} (replicas x stages)"
+
+
 def resized_config(
     cfg: JobConfig, num_stages: int, parts: list[int], num_replicas: int | None = None
 ) -> JobConfig:

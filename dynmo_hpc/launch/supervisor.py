@@ -41,6 +41,7 @@ from dynmo_hpc.handoff.resize import (
     RESIZE_PHASES,
     ShrinkRefused,
     resized_config,
+    size_change,
     take_request,
     unshrunk_config,
 )
@@ -263,11 +264,8 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
     new_stages, parts = int(request["num_stages"]), [int(b) for b in request["parts"]]
     new_replicas = int(request.get("num_replicas") or cfg.pipeline.replicas)
     log.warning(
-        "resize: %d x %d -> %d x %d (replicas x stages) after step %d (checkpoint %s)",
-        cfg.pipeline.replicas,
-        cfg.pipeline.num_stages,
-        new_replicas,
-        new_stages,
+        "resize: %s after step %d (checkpoint %s)",
+        size_change(cfg.pipeline.replicas, cfg.pipeline.num_stages, new_replicas, new_stages),
         request["step"],
         request["checkpoint"],
     )

@@ -37,7 +37,7 @@ from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
-from dynmo_hpc.handoff.resize import take_phases, write_request
+from dynmo_hpc.handoff.resize import size_change, take_phases, write_request
 from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
@@ -326,12 +326,13 @@ class Trainer:
                 },
             )
             log.warning(
-                "packing %d x %d -> %d x %d (replicas x stages) after step %d: checkpoint %s, "
-                "ending this MPI step",
-                self.cfg.pipeline.replicas,
-                self.cfg.pipeline.num_stages,
-                target["to_replicas"],
-                target["to_stages"],
+                "packing %s after step %d: checkpoint %s, ending this MPI step",
+                size_change(
+                    self.cfg.pipeline.replicas,
+                    self.cfg.pipeline.num_stages,
+                    target["to_replicas"],
+                    target["to_stages"],
+                ),
                 step + 1,
                 directory,
             )
