@@ -12,15 +12,16 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
 	dynmo_hpc/pipeline/lineage.py dynmo_hpc/pipeline/manifest.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
-	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
+	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \
 	dynmo_hpc/launch/preflight.py dynmo_hpc/pipeline/corpus.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
 	dynmo_hpc/handoff dynmo_hpc/report_cycle.py dynmo_hpc/placement.py \
 	dynmo_hpc/pipeline/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
-	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/cost_model.py dynmo_hpc/bench/algorithms.py \
+	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/heldout.py dynmo_hpc/sim/cost_model.py dynmo_hpc/bench/algorithms.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/host_memory.py dynmo_hpc/pipeline/capacity.py \
-	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/pipeline/ab.py
+	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/pipeline/ab.py \
+	dynmo_hpc/sim/cost_fit.py dynmo_hpc/sim/cost_measure.py
 
 .PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean
 

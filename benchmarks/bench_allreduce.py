@@ -71,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.steps < 2 or args.repeats < 1:
+        print(
+            f"error: --steps {args.steps} --repeats {args.repeats}: step 0 is warm-up, so a run "
+            "needs at least 2 steps and one repeat; HINT: use --steps 20 --repeats 3",
+            file=sys.stderr,
+        )
+        return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as tmp:
         for repeat in range(args.repeats):

@@ -234,7 +234,7 @@ def predict(
     if wall_per_cpu is not None:
         argv += ["--wall-per-cpu", wall_per_cpu]
     if machine is None:
-        return float(simulate_json(argv)[policy]["step_time_s"])
+        return float(simulate_json([*argv, "--machine", "none"])[policy]["step_time_s"])
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "machine.json"
         save_machine(machine, file)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
-from dynmo_hpc.bench.ab import compare_arms, mark_steps
+from dynmo_hpc.bench.ab import compare_arms, mark_steps, report_overheads
 from dynmo_hpc.bench.summary import algorithm_label
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.pipeline.ab import (
@@ -152,7 +153,11 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert text in printed
     header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
     assert header in text
-    rows = [line for line in text.splitlines() if line.startswith("| plain |")]
+    headline, detail = text.split("Every run, one line per phase:")
+    heads = [line for line in headline.splitlines() if line.startswith("| plain |")]
+    assert [h.split("|")[2].strip() for h in heads] == ["ramp 0-5", "steady 6-11"]
+    assert all(len(h.split("|")) == 8 for h in heads)  # uniform, parameters, optimal, ceiling
+    rows = [line for line in detail.splitlines() if line.startswith("| plain |")]
     # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
     labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
     uniform, parameters, optimal = (
@@ -175,6 +180,22 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
         assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
         assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
+    # benchmarks/ab_breakdown.py reads a run's log: both arms priced, B's partition checked
+    import os
+    import subprocess
+    import sys
+
+    script = ROOT / "benchmarks" / "ab_breakdown.py"
+    run_dir = out / "runs" / "bench_ab_plain_optimal_vs_uniform_r0"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith("steady state from step 6, A/B period 4 steps")
+    assert any(line.startswith("arm A (") and "measured/model" in line for line in lines)
+    assert any(line.startswith("ceiling, with measured overheads: ") for line in lines)
 
 
 def test_bench_ab_refuses_algorithms_without_a_static_split(
@@ -216,16 +237,16 @@ def test_noise_rule_and_migrations_set_steps_aside() -> None:
     assert comparison is not None
     assert comparison.kept == (5, 2) and comparison.total == (8, 4)
     assert comparison.static_step_s == 1.0 and comparison.dynmo_step_s == 0.8
+    # blocks A (steps 0-3), B (4-7), A (8-11): two adjacent pairs, each 1.0 / 0.8
+    assert comparison.block_gains == [pytest.approx(1.25)] * 2
     assert comparison.gain == pytest.approx(1.25)
-    # pair 0 (steps 0-7) has both arms; pair 1 (steps 8-11) has no balancer step
-    assert comparison.block_gains == [pytest.approx(1.25)]
     # the phase bounds cut the steps: the steady state 8-11 has no balancer step at all
     assert compare_arms([marked], 4, 8, 12) is None
-    # a looser rule keeps step 9, and a pooled repeat adds its pair
+    # a looser rule keeps step 9, and a pooled repeat adds its pairs
     loose = mark_steps(_steps(times, ratios, 4), [3, 7], noise_factor=1.3)
     assert loose["kept"].sum() == 8
     pooled = compare_arms([marked, marked], 4, 0, 12)
-    assert pooled is not None and pooled.kept == (10, 4) and len(pooled.block_gains) == 2
+    assert pooled is not None and pooled.kept == (10, 4) and len(pooled.block_gains) == 4
     with pytest.raises(ValueError):
         mark_steps(_steps(times, ratios, 4), [], noise_factor=0.5)
 
@@ -233,3 +254,139 @@ def test_noise_rule_and_migrations_set_steps_aside() -> None:
 def test_steps_without_a_ratio_are_never_noisy() -> None:
     marked = mark_steps(_steps([1.0, 1.0], [float("nan"), float("nan")], 1), [])
     assert marked["kept"].tolist() == [True, True]
+
+
+def test_adjacent_pairs_cancel_a_drift_that_static_then_balancer_pairs_do_not() -> None:
+    """The machine slows down 2 % per block while the balancer is exactly 1.2x faster: pairs
+    of a block with both neighbours give a median of 1.2 (the drift raises the A-then-B ratios
+    and lowers the B-then-A ones alike), where pairing each static block only with the
+    balancer block after it would read the drift as gain."""
+    period, num_blocks = 5, 12
+    times = []
+    for step in range(period * num_blocks):
+        drift = 1.02 ** (step // period)
+        times.append(drift * (1.2 if ab_arm(step, period) == 0 else 1.0))
+    marked = mark_steps(_steps(times, [1.0] * len(times), period), [])
+    comparison = compare_arms([marked], period, 0, len(times))
+    assert comparison is not None
+    assert len(comparison.block_gains) == num_blocks - 1
+    assert comparison.block_gains[0] == pytest.approx(1.2 / 1.02)  # A then B: B ran slower
+    assert comparison.block_gains[1] == pytest.approx(1.2 * 1.02)  # B then A: A ran slower
+    assert comparison.gain == pytest.approx(1.2, rel=0.025)
+    static_then_balancer = comparison.block_gains[0::2]
+    assert sorted(static_then_balancer)[len(static_then_balancer) // 2] < 1.18
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gain_lies_in_its_spread(seed: int) -> None:
+    """Gain and spread are one statistic (median and quartiles of the same pair ratios), so the
+    gain lies inside its spread whatever the data; the old pooled-median gain did not."""
+    rng = np.random.default_rng(seed)
+    period = 4
+    times = rng.lognormal(0.0, 0.3, size=48).tolist()
+    marked = mark_steps(_steps(times, [1.0] * 48, period), [7, 15])
+    comparison = compare_arms([marked], period, 0, 48)
+    assert comparison is not None
+    low, high = comparison.spread
+    assert low <= comparison.gain <= high
+
+
+def test_overheads_measured_from_the_run_and_priced_per_stage() -> None:
+    """A report's overheads from its interval's kept steps: per stage, wall time in its regions
+    beyond its layers; the tail, step time beyond the slowest stage's compute plus waits."""
+    marked = mark_steps(_steps([1.0, 1.1, 9.0], [1.0, 1.0, 1.0], 0), [2])
+    stage_times = pd.DataFrame(
+        {
+            "step": [0, 0, 1, 1, 2, 2],
+            "stage": [0, 1] * 3,
+            "compute_s": [0.7, 0.5, 0.7, 0.5, 5.0, 5.0],
+            "idle_s": [0.1, 0.3, 0.2, 0.4, 0.0, 0.0],
+        }
+    )
+    costs = pd.DataFrame(
+        {"layer": [0, 1, 2], "forward_s": [0.2, 0.1, 0.1], "backward_s": [0.4, 0.2, 0.2]}
+    )
+    overheads = report_overheads(marked, stage_times, costs, [0, 1, 3], (0, 3), 1e-3)
+    assert overheads is not None
+    # step 2 migrated: set aside. Stage 0: 0.7 - 0.6; stage 1: 0.5 - 0.6 -> 0 (never negative)
+    assert overheads.stage_s == [pytest.approx(0.1), 0.0]
+    # tails: 1.0 - max(0.8, 0.8) = 0.2 and 1.1 - max(0.9, 0.9) = 0.2
+    assert overheads.tail_s == pytest.approx(0.2) and overheads.poll_max_s == 1e-3
+    assert report_overheads(marked, stage_times, costs, [0, 1, 3], (2, 3)) is None
+
+
+def test_headline_puts_each_balancer_against_the_reference_split() -> None:
+    """One line per scheme and phase: the reference split's tokens/s, another static split's
+    from its own runs, each balancer's tokens/s with its gain over the reference, its spread and
+    capture, and the ceiling over the reference."""
+    from dynmo_hpc.bench.ab import ArmComparison
+    from dynmo_hpc.bench.ab_summary import ABRow, render_ab_headline
+
+    def row(
+        static: str, balancer: str, static_s: float, dynmo_s: float, gains: list[float]
+    ) -> ABRow:
+        comparison = ArmComparison(
+            static_step_s=static_s,
+            dynmo_step_s=dynmo_s,
+            block_gains=gains,
+            kept=(8, 8),
+            total=(10, 10),
+        )
+        return ABRow(
+            scheme="pruning", static=static, balancer=balancer, phase="steady", steps=(25, 120),
+            repeats=1, comparison=comparison, ceiling=1.25, tokens_per_step=1000,
+        )  # fmt: skip
+
+    rows = [
+        row("uniform", "optimal", 0.5, 0.4, [1.1, 1.2, 1.3]),
+        row("uniform", "diffusion", 0.5, 0.45, [1.0, 1.1, 1.2]),
+        row("parameters", "optimal", 0.25, 0.2, [1.2]),
+    ]
+    lines = render_ab_headline(rows)
+    header = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert header[2:] == [
+        algorithm_label("uniform"), algorithm_label("parameters"), algorithm_label("optimal"),
+        algorithm_label("diffusion"), "ceiling over uniform",
+    ]  # fmt: skip
+    cells = [c.strip() for c in lines[4].split("|")[1:-1]]
+    assert cells[:2] == ["pruning", "steady 25-119"]
+    assert cells[2] == "2000" and cells[3] == "4000"  # arm A of each static split's runs
+    assert cells[4] == "2500: 1.20x (1.15-1.25), capture 0.80"
+    assert cells[5].startswith("2222: 1.10x (1.05-1.15), capture 0.40")
+    assert cells[6] == "1.25"
+
+
+def test_run_ceilings_price_each_report_with_its_intervals_overheads() -> None:
+    """Two reports (steps 1 and 3) on [0, 1, 2]; the run spent 1 s per step after the schedule,
+    which every partition pays, so the ceiling with it is lower than on layer compute alone."""
+    from dynmo_hpc.bench.ab import RunTimes, parts_at_reports, run_ceilings
+
+    costs = pd.DataFrame(
+        {
+            "step": [1, 1, 3, 3],
+            "layer": [0, 1, 0, 1],
+            "forward_s": [1.0, 3.0, 1.0, 3.0],
+            "backward_s": [0.0] * 4,
+        }
+    )
+    partitions = pd.DataFrame(
+        {"step": [1, 1, 3, 3], "stage": [0, 1, 0, 1], "end_layer": [1, 2, 1, 2]}
+    )
+    assert parts_at_reports(partitions) == {1: [0, 1, 2], 3: [0, 1, 2]}
+    marked = mark_steps(_steps([5.0, 5.0, 5.0, 5.0], [1.0] * 4, 0), [])
+    stage_times = pd.DataFrame(
+        {
+            "step": [s for s in range(4) for _ in (0, 1)],
+            "stage": [0, 1] * 4,
+            "compute_s": [1.0, 3.0] * 4,
+            "idle_s": [3.0, 1.0] * 4,
+        }
+    )
+    times = RunTimes(
+        marked=marked, stage_times=stage_times, parts_at_report=parts_at_reports(partitions)
+    )
+    plain = run_ceilings(costs, [0, 1, 2], 1, "1f1b")
+    honest = run_ceilings(costs, [0, 1, 2], 1, "1f1b", times)
+    # one microbatch through both stages: 4 s on any 2-stage split of 2 layers; plus the tail 1
+    assert plain[1].static_step_s == 4.0 and honest[1].static_step_s == 5.0
+    assert honest[3].static_step_s == 5.0

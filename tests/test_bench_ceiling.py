@@ -6,6 +6,7 @@ import pytest
 
 from dynmo_hpc.bench.ceiling import (
     Ceiling,
+    Overheads,
     capture,
     combined_ceiling,
     partition_step_s,
@@ -64,3 +65,23 @@ def test_capture() -> None:
     assert capture(0.9, 1.2) == pytest.approx(-0.5)
     assert capture(1.1, 1.005) is None  # no room to capture
     assert capture(float("nan"), 1.2) is None
+
+
+def test_overheads_dilute_the_ceiling_as_they_dilute_a_measured_gain() -> None:
+    # a tail of 0.5 s per step, the same on every partition: 5.5 / 5.0 instead of 5.0 / 4.5
+    tail = Overheads(stage_s=[0.0, 0.0], tail_s=0.5)
+    got = report_ceiling(FORWARD_S, NO_BACKWARD, [0, 2, 4], 2, "gpipe", tail)
+    assert got.static_step_s == 5.5 and got.best_step_s == 5.0 and got.best_parts == [0, 3, 4]
+    # 0.4 s per step on stage 0 besides its layers: 0.1 s on each of its 2 M = 4 actions, so
+    # its forwards take 1.1 (stage 1 starts at 1.1 and ends its two at 5.1), and its two
+    # backwards (0 s of layers) 0.1 each after that: 5.3
+    stage = Overheads(stage_s=[0.4, 0.0], tail_s=0.0)
+    assert partition_step_s(FORWARD_S, NO_BACKWARD, [0, 2, 4], 2, "gpipe", stage) == (
+        pytest.approx(5.3)
+    )
+    with pytest.raises(ValueError, match="one per stage"):
+        partition_step_s(
+            FORWARD_S, NO_BACKWARD, [0, 2, 4], 2, "gpipe", Overheads(stage_s=[0.0], tail_s=0.0)
+        )
+    with pytest.raises(ValueError, match=">= 0"):
+        Overheads(stage_s=[-1.0, 0.0], tail_s=0.0)

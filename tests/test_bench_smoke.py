@@ -29,6 +29,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 """The optional benchmark env with DeepSpeed (``make bench-env``)."""
 
 COVERED_ELSEWHERE = {
+    "ab_breakdown.py": "tests/test_bench_ab.py (on the end-to-end bench's A/B run)",
     "bench_checkpoint.py": "tests/test_bench_checkpoint.py",
     "bench_migration.py": "tests/test_bench_migration.py",
     "stress_runlog_kill.py": "tests/test_runlog_torn_chunk.py",
@@ -200,3 +201,38 @@ def test_calibrate_sim_on_two_runs(tmp_path: Path) -> None:
     assert "action_overhead_s" in json.loads(machine.read_text())
     line = refuse_script("calibrate_sim.py", "--only", "plain_p2_m4")
     assert "at least 2" in line
+
+
+def test_fit_cost_model_refits_the_shipped_samples(tmp_path: Path) -> None:
+    # From the saved samples: the fit and its held-out check, without measuring again.
+    out = tmp_path / "fit.json"
+    samples = str(ROOT / "benchmarks" / "cost_samples_2core.json")
+    proc = run_script("fit_cost_model.py", "--from-samples", samples, "--json-out", str(out))
+    assert "192" in proc.stdout and out.stat().st_size > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_heldout_sim_quick_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "heldout.json"
+    args = ["--quick", "--runs-dir", str(tmp_path / "runs"), "--json-out", str(out)]
+    proc = run_script("heldout_sim.py", *args, timeout_s=600)
+    assert "hidden case:" in proc.stdout
+    table = json.loads(out.read_text())
+    assert len(table["rows"]) == 1 and table["hidden"]["measured_step_s"] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_bench_allreduce_reports_the_share_at_two_replicas(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce.json"
+    tiny = ["model.num_blocks=2", "model.d_model=32", "model.num_heads=2", "model.d_ff=64"]
+    tiny += ["model.seq_len=32", "train.micro_batch_size=2"]
+    sets = [arg for value in tiny for arg in ("--set", value)]
+    args = ["--repeats", "1", "--steps", "3", "--out", str(out), *sets]
+    proc = run_script("bench_allreduce.py", *args)
+    assert "| run | replicas x stages |" in proc.stdout and "nan" not in proc.stdout
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["replicas"] == 2 and 0 < row["median_share"] < 1
+    line = refuse_script("bench_allreduce.py", "--steps", "1")
+    assert "--steps 1" in line and "HINT" in line

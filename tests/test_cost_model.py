@@ -10,6 +10,8 @@ import pytest
 
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.sim.cost_model import (
+    GROUP_OPS,
+    RANK_OPS,
     LayerShape,
     SchemeState,
     elementwise,
@@ -92,14 +94,29 @@ def test_early_exit_still_projects_every_token_s_keys_and_values() -> None:
     kv = 2 * N * 64 * 128
     rest = QKV_PROJ - kv + FFN
     assert cost.ops["kv"].forward_flops == kv
-    assert cost.forward_flops == kv + rest / 4 + 4 * 2 * (32 * 129 / 2) * 64
+    # The masked kernel computes every (active query, key) pair: 32 x 128 per sequence.
+    assert cost.forward_flops == kv + rest / 4 + 4 * 2 * (32 * 128) * 64
     with_exit = layer_cost(BLOCK, SchemeState(tokens_kept=0.25, kv_tokens_kept=1.0, exit_head=True))
     assert with_exit.forward_flops - cost.forward_flops == 2 * (N / 4) * 64 * 256
 
 
-def test_sparse_attention_scales_the_score_products_only() -> None:
+def test_sparse_attention_computes_whole_kept_blocks() -> None:
+    # 128 tokens in 16-token blocks: 8 query blocks, 36 causal key blocks; density 0.25 keeps 9
+    # of them, each a whole 16 x 16 block of pairs (the diagonal one too, masked).
     sparse = layer_cost(BLOCK, SchemeState(attention_density=0.25))
-    assert sparse.forward_flops == QKV_PROJ + FFN + ATTENTION / 4
+    kept_pairs = 9 * 16 * 16
+    assert sparse.forward_flops == QKV_PROJ + FFN + 4 * 2 * kept_pairs * 64
+    scores = 2 * 4 * kept_pairs * 4  # 2 sequences, 4 heads, float32
+    assert sparse.ops["attention"].forward_bytes == 6 * scores
+    assert sparse.ops["attention_gather"].forward_indexed_bytes == 2 * 2 * 9 * 16 * 64 * 16
+    # ceil(0.25 (i + 1)) over the 8 query blocks: 1,1,1,1,2,2,2,2: two groups, two loops
+    assert sparse.ops["attention"].count == 2 * GROUP_OPS
+    dense = layer_cost(BLOCK)
+    # The ranking (forward only) and the gather come on top; the groups replace one fused op.
+    assert sparse.forward_ops == dense.forward_ops + RANK_OPS + 1 + 2 * GROUP_OPS - 1
+    assert sparse.backward_ops == dense.backward_ops + 1 + 2 * GROUP_OPS - 1
+    smaller = layer_cost(BLOCK, SchemeState(attention_density=0.25, sparse_block_size=8))
+    assert smaller.forward_flops < sparse.forward_flops
 
 
 def test_moe_follows_the_expert_loads() -> None:
@@ -197,3 +214,64 @@ def test_bad_rates_in_a_machine_file(tmp_path: Path, text: str, match: str) -> N
     (tmp_path / "m.json").write_text(text)
     with pytest.raises(ValueError, match=match):
         load_machine(tmp_path / "m.json")
+
+
+def test_mod_routes_every_token_and_moves_the_kept_ones_by_index() -> None:
+    mod = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
+    kept = N // 2 * 64  # values of the kept tokens
+    assert mod.ops["select"].forward_indexed_bytes == kept * 16  # value read, written, int64 index
+    assert mod.ops["scatter"].forward_bytes == 2 * N * 64 * 4  # the out-of-place copy of h
+    assert mod.forward_indexed_bytes == 2 * kept * 16
+    assert mod.forward_ops == layer_cost(BLOCK).forward_ops + 5 + 1  # routing ops, top-k twice
+    exit_state = SchemeState(tokens_kept=0.5, kv_tokens_kept=1.0)
+    early = layer_cost(BLOCK, exit_state)
+    assert "router" not in early.ops and early.ops["pack_queries"].count == 4
+    assert early.backward_ops < early.forward_ops  # packing and masks run forward only
+    assert layer_cost(BLOCK).forward_indexed_bytes == 0
+
+
+def test_optional_rates_round_trip_and_are_checked(tmp_path: Path) -> None:
+    rates = LayerRates(
+        flops_per_s=2e10,
+        bytes_per_s=5e9,
+        overhead_s=3e-5,
+        backward_flops_per_s=1e10,
+        indexed_bytes_per_s=1e9,
+        op_overhead_s=2e-5,
+    )
+    save_machine(MachineModel(layer_rates=rates), tmp_path / "m.json")
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["layer_backward_flops_per_s"] == 1e10 and data["layer_op_overhead_s"] == 2e-5
+    assert load_machine(tmp_path / "m.json").layer_rates == rates
+    cost = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
+    forward_s, backward_s = layer_times_s(cost, rates)
+    assert forward_s == pytest.approx(
+        cost.forward_flops / 2e10
+        + cost.forward_bytes / 5e9
+        + cost.forward_indexed_bytes / 1e9
+        + cost.forward_ops * 2e-5
+        + 3e-5
+    )
+    assert backward_s == pytest.approx(
+        cost.backward_flops / 1e10
+        + cost.backward_bytes / 5e9
+        + cost.backward_indexed_bytes / 1e9
+        + cost.backward_ops * 2e-5
+        + 3e-5
+    )
+    (tmp_path / "bad.json").write_text('{"layer_op_overhead_s": 1e-5}')
+    with pytest.raises(ValueError, match="gives layer_op_overhead_s but not layer_flops_per_s"):
+        load_machine(tmp_path / "bad.json")
+    data["layer_indexed_bytes_per_s"] = 0
+    (tmp_path / "zero.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"layer_indexed_bytes_per_s=0.0 must be > 0"):
+        load_machine(tmp_path / "zero.json")
+
+
+def test_a_linear_with_a_bias_sums_its_output_gradient() -> None:
+    fc = layer_cost(BLOCK).ops["mlp_fc"]
+    assert fc.wgrad_bytes == fc.forward_bytes + (N * 256 + 256) * 4  # dY read again, db written
+    assert fc.dgrad_bytes == fc.forward_bytes
+    head = LayerShape(kind="head", d_model=64, seq_len=128, micro_batch=2)
+    lm_head = layer_cost(head).ops["lm_head"]  # bias=False in the model
+    assert lm_head.wgrad_bytes == lm_head.forward_bytes

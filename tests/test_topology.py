@@ -225,3 +225,63 @@ def test_stage_times_record_each_replica_and_the_slowest_sets_the_imbalance(
     assert imb.loc[0, "num_stages"] == 2
     assert imb.loc[0, "max_compute_s"] == 3.0
     assert imb.loc[0, "imbalance"] == pytest.approx(3.0 / 2.5)
+
+
+def test_gradients_round_trip_through_the_buckets_and_missing_ones_become_zeros() -> None:
+    """The flat-buffer path on one rank (a sum over one replica is the identity): every
+    gradient comes back in place, across buckets; a parameter another replica has a gradient
+    for gets zeros here, one nobody has keeps None."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from dynmo_hpc.pipeline.grad_sync import _bucket_grads, _reduce_buckets
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)]
+    for layer in layers[:2]:
+        for p in layer.parameters():
+            p.grad = torch.randn_like(p)
+    slots = [SimpleNamespace(index=i, module=m) for i, m in enumerate(layers)]
+    want = [[p.grad.clone() for p in m.parameters()] for m in layers[:2]]
+    # layer 2: its weight has a gradient on another replica, its bias on none
+    has_grad = np.array([1, 1, 1, 1, 1, 0], dtype=np.uint8)
+    grads = _bucket_grads(slots, has_grad)
+    assert [len(g) for g in grads] == [2, 2, 1]
+    _reduce_buckets(MPI.COMM_SELF, grads, bucket_bytes=40)  # several buckets
+    for layer, expected in zip(layers[:2], want, strict=True):
+        for p, g in zip(layer.parameters(), expected, strict=True):
+            assert torch.equal(p.grad, g)
+    assert torch.equal(layers[2].weight.grad, torch.zeros_like(layers[2].weight))
+    assert layers[2].bias.grad is None
+
+
+def test_the_replica_count_may_change_on_resume() -> None:
+    from dynmo_hpc.config.resume_rules import KeyRule, classify
+
+    assert classify("pipeline.replicas") is KeyRule.FREE
+
+
+def test_only_a_rank_that_writes_layers_puts_them_in_the_checkpoint(tmp_path: Path) -> None:
+    """Replica 0 writes each layer; a rank of another replica (``writes_layers=False``) holds
+    the same layers and writes none (one rank here, ``COMM_SELF``)."""
+    from types import SimpleNamespace
+
+    import torch
+    from mpi4py import MPI
+
+    from dynmo_hpc.pipeline import checkpoint, resume
+
+    module = torch.nn.Linear(2, 2)
+    slot = SimpleNamespace(index=0, module=module, optimizer=torch.optim.AdamW(module.parameters()))
+    stage = SimpleNamespace(slots=[slot])
+    for writes, run_dir in [(True, tmp_path / "r0"), (False, tmp_path / "r1")]:
+        directory, _, _ = resume.save(
+            MPI.COMM_SELF, run_dir, 1, stage, 2, {"step": 1}, writes_layers=writes
+        )
+        names = set(checkpoint.manifest_files(directory))
+        layer = checkpoint.layer_name(0)
+        assert (layer in names) == writes and (directory / layer).exists() == writes
+        assert checkpoint.RUN_STATE in names

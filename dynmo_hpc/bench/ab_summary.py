@@ -1,9 +1,9 @@
 """A/B bench rows: per scheme, static split and balancer, the ramp and the steady state apart.
 
 Each row pools the repeats of one (scheme, static split, balancer) A/B run
-(:func:`dynmo_hpc.bench.ab.compare_arms`): the gain over the kept steps, its spread over block
-pairs, the pipeline-aware ceiling over the same phase (median over the repeats), and the capture
-``(gain - 1) / (ceiling - 1)``.
+(:func:`dynmo_hpc.bench.ab.compare_arms`): the gain (median over adjacent block pairs) and its
+spread (their quartiles), the pipeline-aware ceiling over the same phase with the run's measured
+overheads (median over the repeats), and the capture ``(gain - 1) / (ceiling - 1)``.
 
 Pure: figures in, rows and Markdown out.
 """
@@ -109,7 +109,8 @@ def _row_line(row: ABRow) -> str:
         f"{row.phase} {row.steps[0]}-{row.steps[1] - 1} |"
     )
     if c is None:
-        return head + f" - | - | - | {_num(row.ceiling)} | - | an arm has no kept step here |"
+        missing = "no adjacent pair of blocks with kept steps in both arms"
+        return head + f" - | - | - | {_num(row.ceiling)} | - | {missing} |"
     low, high = c.spread
     tps = row.tokens_per_step
     return head + (
@@ -117,6 +118,63 @@ def _row_line(row: ABRow) -> str:
         f"{c.gain:.2f} ({low:.2f}-{high:.2f}) | {_num(row.ceiling)} | {_num(row.capture)} | "
         f"{c.kept[0]}/{c.total[0]}, {c.kept[1]}/{c.total[1]} |"
     )
+
+
+def _headline_cells(rows: Sequence[ABRow], reference: str, algorithms: Sequence[str]) -> str:
+    """One (scheme, phase)'s cells: per algorithm its tokens/s, a balancer's with its gain over
+    ``reference`` (spread) and capture; then the ceiling over ``reference``."""
+    cells = []
+    for name in algorithms:
+        as_static = [r for r in rows if r.static == name and r.comparison is not None]
+        against = [r for r in rows if (r.static, r.balancer) == (reference, name)]
+        if against and against[0].comparison is not None:
+            row, c = against[0], against[0].comparison
+            low, high = c.spread
+            cells.append(
+                f"{row.tokens_per_step / c.dynmo_step_s:.0f}: {c.gain:.2f}x "
+                f"({low:.2f}-{high:.2f}), capture {_num(row.capture)}"
+            )
+        elif as_static:
+            speeds = [
+                r.tokens_per_step / r.comparison.static_step_s for r in as_static if r.comparison
+            ]
+            cells.append(f"{float(np.median(speeds)):.0f}")
+        else:
+            cells.append("-")
+    ceilings = [r.ceiling for r in rows if r.static == reference and r.ceiling is not None]
+    cells.append(_num(float(np.median(ceilings)) if ceilings else None))
+    return " | ".join(cells)
+
+
+def render_ab_headline(rows: Sequence[ABRow]) -> list[str]:
+    """The headline table: per scheme and phase, each algorithm's tokens/s, every balancer as
+    arm B against the first static split (the reference, arm A of its runs) with its gain,
+    spread and capture, and the ceiling over the reference. A static split other than the
+    reference shows its own arm's tokens/s (from its own runs, other minutes of the machine)."""
+    if not rows:
+        return []
+    reference = rows[0].static
+    statics = list(dict.fromkeys(r.static for r in rows))
+    balancers = list(dict.fromkeys(r.balancer for r in rows))
+    algorithms = [*statics, *balancers]
+    lines = [
+        f"Headline: tokens/s per algorithm; each balancer as arm B against "
+        f"{algorithm_label(reference)} (arm A of the same run): its tokens/s, gain over it "
+        "(IQR over block pairs) and capture of the ceiling over it.",
+        "",
+        "| scheme | phase (steps) | "
+        + " | ".join(algorithm_label(a) for a in algorithms)
+        + f" | ceiling over {reference} |",
+        "| --- | --- | " + " | ".join("---" for _ in algorithms) + " | --- |",
+    ]
+    keys = list(dict.fromkeys((r.scheme, r.phase, r.steps) for r in rows))
+    for scheme, phase, steps in keys:
+        chosen = [r for r in rows if (r.scheme, r.phase, r.steps) == (scheme, phase, steps)]
+        lines.append(
+            f"| {scheme} | {phase} {steps[0]}-{steps[1] - 1} | "
+            f"{_headline_cells(chosen, reference, algorithms)} |"
+        )
+    return [*lines, ""]
 
 
 def render_ab_markdown(
@@ -139,13 +197,19 @@ def render_ab_markdown(
         "both arms ran over the same minutes. tokens/s from the median kept step time of each "
         "arm (repeats pooled). Steps set aside: a migrating step and the step after it, and "
         f"noisy steps (wall/CPU ratio above {noise_factor:g} x the run's median). Gain = "
-        "balancer over static split, (25th-75th percentile over block pairs). Ceiling = the "
-        "best contiguous partition's simulated step (fill and drain included) over the static "
-        "split's, on the run's measured costs. Capture = (gain - 1) / (ceiling - 1), '-' where "
-        "the ceiling is under 1.01. Kept = kept/all steps, static arm then balancer arm.",
+        "balancer over static split: the median, over adjacent pairs of blocks (one per arm), "
+        "of static block median step time / balancer block median step time, (25th-75th "
+        "percentile over the same pairs). Ceiling = the best contiguous partition's simulated "
+        "step over the static split's, on the run's measured per-layer costs plus its measured "
+        "time besides the layers (per stage, and after the schedule), fill and drain included. "
+        "Capture = (gain - 1) / (ceiling - 1), '-' where the ceiling is under 1.01. Kept = "
+        "kept/all steps, static arm then balancer arm.",
+        "",
+        *render_ab_headline(rows),
+        "Every run, one line per phase:",
         "",
         "| scheme | static split | balancer | phase (steps) | static tokens/s | "
-        "balancer tokens/s | gain (IQR) | ceiling | capture | kept |",
+        "balancer tokens/s | gain (IQR over pairs) | ceiling | capture | kept |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *[_row_line(row) for row in rows],
         "",

@@ -6,10 +6,29 @@ Why not the compute-only bound (heaviest stage over heaviest stage): with ``M`` 
 stage's first forwards and last backwards too, so a partition that moves work off the slowest
 stage gains less than the ratio of bottlenecks says, and less the smaller ``M`` is. The ceiling
 prices each partition with the simulator's step model (:func:`dynmo_hpc.sim.step.simulate_step`:
-every forward and backward of every microbatch, in the schedule's order, layer compute only, no
-transfers or overheads), on the per-layer forward and backward seconds of one load report:
+every forward and backward of every microbatch, in the schedule's order), on the per-layer
+forward and backward seconds of one load report:
 
     ceiling = step_s(static split) / min over contiguous partitions of step_s(partition)
+
+**What a step costs besides its layers** (:class:`Overheads`, measured from the same run by
+:func:`dynmo_hpc.bench.ab.report_overheads`; without them the model is layer compute only and
+the ceiling is an upper bound no run reaches). A measured step is three things, and the model
+prices each as the trainer spends it:
+
+- the layers' forward and backward (the load report's per-layer seconds): they move with their
+  layer when the partition changes;
+- per stage, the rest of its forward and backward regions (``stages.compute_s`` less its
+  layers' seconds: building the microbatch, detaching inputs and collecting input gradients
+  between layers, wall over CPU time): it stays with the stage, spread evenly over the stage's
+  ``2 M`` actions;
+- the step's tail after the schedule (``step_time_s`` less the slowest stage's compute plus
+  waits: gradient norms and the clipping all-reduce, the optimizer, the schemes' hooks, the loss
+  gather, the load report): the same for every partition, added once per step;
+
+and a waiting stage notices its input late by the trainer's poll back-off
+(:func:`dynmo_hpc.sim.wakeup.noticed_s`, cap ``poll_max_s``). A time shared by every partition
+dilutes the ceiling as it dilutes the measured gain, so the two stay comparable.
 
 The minimum is over every partition when there are at most :data:`MAX_ENUMERATED` of them (all
 2-stage splits, for instance), else over the min-max partition of the total costs
@@ -38,18 +57,52 @@ MIN_ROOM = 0.01
 """A ceiling below ``1 + MIN_ROOM`` leaves no gain to capture: capture is undefined there."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """A step's measured seconds besides its layers (see the module docstring), per step."""
+
+    stage_s: list[float]
+    """Per stage: seconds in its forward and backward regions beyond its layers' (>= 0)."""
+    tail_s: float
+    """Seconds of the step after the schedule (>= 0), the same on every partition."""
+    poll_max_s: float = 0.0
+    """The trainer's longest sleep while waiting for an input (0: inputs noticed at once)."""
+
+    def __post_init__(self) -> None:
+        values = [*self.stage_s, self.tail_s, self.poll_max_s]
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"overheads must be finite and >= 0, got {self}")
+
+
 def partition_step_s(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
     parts: Sequence[int],
     num_microbatches: int,
     schedule: str = "1f1b",
+    overheads: Overheads | None = None,
 ) -> float:
     """Simulated seconds of one step on ``parts``: per-layer forward and backward seconds per
-    step (a load report's), split into stages and microbatches, in ``schedule``'s order."""
+    step (a load report's), split into stages and microbatches, in ``schedule``'s order, plus
+    ``overheads`` (None: layer compute only)."""
     fwd = stage_times_s(forward_s, parts, num_microbatches)
     bwd = stage_times_s(backward_s, parts, num_microbatches)
-    return simulate_step(fwd, bwd, num_microbatches, schedule).step_time_s
+    if overheads is None:
+        return simulate_step(fwd, bwd, num_microbatches, schedule).step_time_s
+    if len(overheads.stage_s) != len(parts) - 1:
+        raise ValueError(
+            f"overheads.stage_s has {len(overheads.stage_s)} entries; pass one per stage "
+            f"({len(parts) - 1})"
+        )
+    per_action = [o / (2 * num_microbatches) for o in overheads.stage_s]
+    return simulate_step(
+        [f + o for f, o in zip(fwd, per_action, strict=True)],
+        [b + o for b, o in zip(bwd, per_action, strict=True)],
+        num_microbatches,
+        schedule,
+        stage_overhead_s=[overheads.tail_s] * len(fwd),
+        poll_max_s=overheads.poll_max_s,
+    ).step_time_s
 
 
 def _candidates(costs_s: Sequence[float], num_stages: int) -> list[list[int]]:
@@ -84,8 +137,10 @@ def report_ceiling(
     static_parts: Sequence[int],
     num_microbatches: int,
     schedule: str = "1f1b",
+    overheads: Overheads | None = None,
 ) -> Ceiling:
-    """The ceiling of one load report's costs over ``static_parts`` (see the module docstring).
+    """The ceiling of one load report's costs over ``static_parts`` (see the module docstring),
+    every partition priced with the same ``overheads`` (None: layer compute only).
 
     Example: 2 stages, 1 microbatch, costs [1, 1, 4] (forward only): the static split
     ``[0, 2, 3]`` runs 2 + 4 = 6 s (one microbatch goes through both stages); no split does
@@ -95,11 +150,15 @@ def report_ceiling(
     if len(forward_s) != len(backward_s):
         raise ValueError("forward_s and backward_s need one entry per layer")
     num_stages = len(static_parts) - 1
-    static_s = partition_step_s(forward_s, backward_s, static_parts, num_microbatches, schedule)
+    static_s = partition_step_s(
+        forward_s, backward_s, static_parts, num_microbatches, schedule, overheads
+    )
     costs = [f + b for f, b in zip(forward_s, backward_s, strict=True)]
     best_s, best_parts = static_s, list(static_parts)
     for parts in _candidates(costs, num_stages):
-        step_s = partition_step_s(forward_s, backward_s, parts, num_microbatches, schedule)
+        step_s = partition_step_s(
+            forward_s, backward_s, parts, num_microbatches, schedule, overheads
+        )
         if step_s < best_s:
             best_s, best_parts = step_s, parts
     return Ceiling(static_step_s=static_s, best_step_s=best_s, best_parts=best_parts)

@@ -30,7 +30,7 @@ from typing import Any
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.balance.registry import lookup
-from dynmo_hpc.bench.ab import NOISE_FACTOR, phase_ceiling, run_ceilings
+from dynmo_hpc.bench.ab import NOISE_FACTOR, mark_steps, phase_ceiling, run_ceilings
 from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order, static_split
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
@@ -43,7 +43,7 @@ from dynmo_hpc.bench.summary import (
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.cli.bench_ab import ab_order, run_ab, train_run
+from dynmo_hpc.cli.bench_ab import ab_order, measured_times, run_ab, train_run
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -66,6 +66,15 @@ BENCH_SETS = [
 ]
 """What every bench run sets: no checkpoints, no packing, quiet logs (the bench measures
 training and balancing, not I/O)."""
+
+
+DEFAULT_ALGORITHMS = ("uniform", "parameters", "optimal", "diffusion")
+"""The bench's algorithms unless ``--algorithms`` says otherwise: the two static baselines
+(``megatron`` places these jobs' layers exactly as ``uniform`` does) and DynMo's balancers."""
+DEFAULT_REPEATS = {"ab": 1, "whole": 5}
+"""``--repeats`` unless given: one A/B run per pair (both arms share its minutes), five whole
+runs per algorithm (whole runs compare different minutes of the machine, so they need
+repeats to show a spread)."""
 
 
 def _names(choices: list[str]) -> Any:
@@ -98,14 +107,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--policies",  # the old name, still accepted
         dest="algorithms",
         type=_names(list(ALGORITHMS)),
-        default=list(ALGORITHMS),
-        help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)",
+        default=list(DEFAULT_ALGORITHMS),
+        help=f"comma-separated, from {','.join(ALGORITHMS)} (default: "
+        f"{','.join(DEFAULT_ALGORITHMS)}; --ab runs every balancer against every static split)",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="train.steps for every run (default: the job's)"
     )
     p.add_argument(
-        "--repeats", type=int, default=3, help="runs per scheme and algorithm (default 3)"
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"runs per scheme and algorithm (default: {DEFAULT_REPEATS['ab']} with --ab, "
+        f"{DEFAULT_REPEATS['whole']} with --whole)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results directory")
     p.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="where the scheme jobs are")
@@ -198,18 +212,19 @@ def _train(planned: PlannedRun, cfg: JobConfig, splits: dict[str, list[int]]) ->
         num_microbatches=cfg.train.num_microbatches,
         wall_s=wall_s,
         steady_from_step=cfg.train.steady_from_step(),
-        steady_ceilings=_steady_ceilings(runlog.layer_costs, cfg, splits),
+        steady_ceilings=_steady_ceilings(runlog, cfg, splits),
     )
 
 
-def _steady_ceilings(
-    layer_costs: Any, cfg: JobConfig, splits: dict[str, list[int]]
-) -> dict[str, float]:
-    """Per static baseline: the ceiling over its split on the steady state's load reports."""
+def _steady_ceilings(runlog: Any, cfg: JobConfig, splits: dict[str, list[int]]) -> dict[str, float]:
+    """Per static baseline: the ceiling over its split on the steady state's load reports, with
+    the overheads the run measured."""
+    migrations = runlog.events[runlog.events["kind"] == "migrate"]["step"].tolist()
+    times = measured_times(runlog, mark_steps(runlog.steps, migrations))
     out = {}
     for name, parts in splits.items():
         ceilings = run_ceilings(
-            layer_costs, parts, cfg.train.num_microbatches, cfg.pipeline.schedule
+            runlog.layer_costs, parts, cfg.train.num_microbatches, cfg.pipeline.schedule, times
         )
         value = phase_ceiling(ceilings, cfg.train.steady_from_step(), cfg.train.steps)
         if value is not None:
@@ -289,6 +304,8 @@ def _write_results(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repeats is None:
+        args.repeats = DEFAULT_REPEATS[args.mode]
     if args.repeats < 1:
         raise BenchError(f"--repeats={args.repeats} must be >= 1")
     if args.steps is not None and args.steps < 1:

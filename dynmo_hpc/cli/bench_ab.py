@@ -20,7 +20,7 @@ from typing import Any
 
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import lookup
-from dynmo_hpc.bench.ab import mark_steps, run_ceilings
+from dynmo_hpc.bench.ab import RunTimes, mark_steps, parts_at_reports, run_ceilings
 from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures, ab_rows, render_ab_markdown
 from dynmo_hpc.bench.algorithms import algorithm_overrides
 from dynmo_hpc.bench.output import write_ab_chart, write_ab_results_h5
@@ -93,14 +93,32 @@ def train_run(name: str, cfg: JobConfig) -> tuple[Any, float]:
     return load_runlog(cfg.run_dir / "run.h5"), wall_s
 
 
+def measured_times(run: Any, marked: Any) -> RunTimes:
+    """What ``run`` (a run log) measured besides its layers, for the ceiling's overheads; the
+    poll back-off is the trainer's own."""
+    from dynmo_hpc.pipeline.comm import WAIT_MAX_SLEEP_S
+
+    return RunTimes(
+        marked=marked,
+        stage_times=run.stage_times,
+        parts_at_report=parts_at_reports(run.partitions),
+        poll_max_s=WAIT_MAX_SLEEP_S,
+    )
+
+
 def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRunFigures:
     run, wall_s = train_run(planned.name, cfg)
     migrations = run.events[run.events["kind"] == "migrate"]
     steps = run.steps.sort_values("step")
+    marked = mark_steps(steps, migrations["step"].tolist(), args.noise_factor)
     return ABRunFigures(
-        marked=mark_steps(steps, migrations["step"].tolist(), args.noise_factor),
+        marked=marked,
         ceilings=run_ceilings(
-            run.layer_costs, static_parts(cfg), cfg.train.num_microbatches, cfg.pipeline.schedule
+            run.layer_costs,
+            static_parts(cfg),
+            cfg.train.num_microbatches,
+            cfg.pipeline.schedule,
+            measured_times(run, marked),
         ),
         losses=[float(v) for v in steps["loss"]],
         period_steps=cfg.balance.ab_period_steps,

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -26,12 +27,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.cli.errors import error_line
 from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
-from dynmo_hpc.sim.machine import MachineModel, load_machine
+from dynmo_hpc.sim.heldout import HeldOutRow, predict_pair
+from dynmo_hpc.sim.machine import MachineModel, load_machine, shipped_machine_path
 from dynmo_hpc.sim.replay import (
     CostReport,
     PackingSetup,
@@ -94,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_source_and_pipeline(p)
     _add_link_and_costs(p)
     _add_machine(p)
+    _add_predict(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p
@@ -168,16 +172,21 @@ def _add_machine(p: argparse.ArgumentParser) -> None:
     """The calibrated machine: overheads, wall per CPU second, restarts, shared cores."""
     p.add_argument(
         "--machine",
-        type=Path,
-        help="calibration JSON (benchmarks/calibrate_sim.py): CPU overheads per action, step, "
-        "parameter and report, latency, bandwidth (docs/simulate.md#calibration)",
+        type=_machine_arg,
+        help="machine calibration JSON (benchmarks/heldout_sim.py --write-machine): CPU "
+        "overheads per action, step, parameter and report, latency, bandwidth, cores, other "
+        "processes' load (docs/simulate.md#calibration); 'none': the compute-only model "
+        "(default with --from: the calibration shipped for this machine, if any; with --costs: "
+        "none)",
     )
     p.add_argument(
         "--wall-per-cpu",
         type=_wall_per_cpu,
         help="wall seconds per CPU second of rank work; 'run': each step's, measured from the "
-        "run log's stage times; 'run-interval': one per report, the median of its steps' "
-        "(default: the machine file's, or 1)",
+        "replayed run log's own stage times; 'run-interval': one per report, the median of its "
+        "steps'. 'run' and 'run-interval' are NOT held-out predictions: they take the layers' "
+        "wall time from the very run they replay (default: the machine calibration's fitted "
+        "load, else its wall_s_per_cpu_s, else 1)",
     )
     p.add_argument(
         "--restart-overhead-s",
@@ -268,9 +277,12 @@ def _link(args: argparse.Namespace, machine: MachineModel) -> tuple[float, float
 
 def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, int]:
     """Reports, setup and tokens per microbatch; raises ValueError or DynmoError."""
-    machine = load_machine(args.machine) if args.machine is not None else MachineModel()
+    machine = _machine(args)
     bandwidth, latency_s = _link(args, machine)
-    wall_per_cpu = _pick(args.wall_per_cpu, machine.wall_s_per_cpu_s)
+    external = args.wall_per_cpu is None and machine.external_wall_s_per_cpu_s is not None
+    wall_per_cpu = _pick(
+        args.wall_per_cpu, _pick(machine.external_wall_s_per_cpu_s, machine.wall_s_per_cpu_s)
+    )
     source = (_from_run_log if args.run_log is not None else _from_costs)(args, wall_per_cpu)
     packing = source.packing
     if args.restart_overhead_s is not None:
@@ -295,6 +307,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         cores=_pick(args.cores, machine.cores),
         poll_max_s=_pick(machine.poll_max_s, 0.0),
         packing=packing,
+        ratios_are_external=external,
     )
     setup.check()
     return source.reports, setup, int(value["tokens_per_microbatch"])
@@ -374,12 +387,15 @@ def _chosen_algorithms(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the per-algorithm results; a bad input is one ``error:`` line and exit 2."""
+    if args.predict is not None:
+        return run_predict(args)
     try:
         reports, setup, tokens_per_microbatch = _inputs(args)
         results = {a: replay(reports, setup, a, _progress(a)) for a in _chosen_algorithms(args)}
     except (DynmoError, FileNotFoundError, ValueError) as exc:
         print(error_line(exc, HINT), file=sys.stderr)
         return 2
+    log.info("simulate: calibration %s", args.calibration_used)  # after any error line
     tokens_per_step = tokens_per_microbatch * setup.num_microbatches
     summary = {
         p: {
@@ -393,7 +409,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{setup.num_stages} stages, {setup.num_microbatches} microbatches, {setup.schedule}, "
-        f"{setup.num_steps} steps, load report every {setup.interval}"
+        f"{setup.num_steps} steps, load report every {setup.interval}; "
+        f"calibration: {args.calibration_used}"
     )
     print(
         f"{'algorithm':<12}{'step_time_s':>14}{'tokens_per_s':>16}{'migrations':>12}"
@@ -405,3 +422,116 @@ def run(args: argparse.Namespace) -> int:
             f"{r.migrations:>12d}{len(r.final_parts) - 1:>8d}{r.node_s:>12.6g}"
         )
     return 0
+
+
+# --- the machine calibration and held-out prediction (docs/simulate.md#held-out-validation) ---
+
+NONE = "none"
+"""``--machine none``: no calibration, the compute-only model."""
+
+
+def _machine_arg(text: str) -> Path | str:
+    return NONE if text == NONE else Path(text)
+
+
+def _machine(args: argparse.Namespace) -> MachineModel:
+    """The machine calibration to use, and which one it was (kept on ``args`` as
+    ``calibration_used``, for the log and the text output): ``--machine FILE``; ``--machine
+    none``; else, with ``--from``, the one shipped for this machine
+    (:func:`shipped_machine_path`); else none (``--costs`` stays the compute-only model).
+    """
+    path: Path | None = None
+    if isinstance(args.machine, Path):
+        path, why = args.machine, "--machine"
+    elif args.machine is None and args.run_log is not None:
+        path = shipped_machine_path(len(os.sched_getaffinity(0)))
+        why = "shipped for this machine"
+    if path is None:
+        args.calibration_used = "none (compute-only model)"
+        if args.machine is None and args.run_log is not None:
+            args.calibration_used += "; no calibration is shipped for this machine"
+        return MachineModel()
+    machine = load_machine(path)
+    args.calibration_used = f"{path} ({why})"
+    return machine
+
+
+def _add_predict(p: argparse.ArgumentParser) -> None:
+    """Held-out prediction: other runs predicted from ``--from``'s layer costs."""
+    p.add_argument(
+        "--predict",
+        type=Path,
+        nargs="+",
+        metavar="RUN",
+        help="predict these runs (run.h5 or their dirs; the same job, other stages, "
+        "microbatches, schedule or balance algorithm) from --from's layer costs and the "
+        "machine calibration alone, and print predicted against measured step time and speedup",
+    )
+    p.add_argument("--json-out", type=Path, help="with --predict: also write the table as JSON")
+
+
+PREDICT_REFUSES = ("wall_per_cpu", "stages", "microbatches", "schedule", "interval", "steps")
+"""Options a held-out prediction cannot take: the target's own settings decide, and
+``--wall-per-cpu run`` would read the source's wall times."""
+
+
+def _run_log_path(path: Path) -> Path:
+    return path / "run.h5" if path.is_dir() else path
+
+
+def predict_rows(args: argparse.Namespace) -> list[HeldOutRow]:
+    """One :class:`HeldOutRow` per ``--predict`` run; raises ValueError or DynmoError."""
+    from dynmo_hpc.runlog import load
+
+    if args.run_log is None:
+        raise ValueError("--predict needs --from; HINT: --from SOURCE.h5 --predict TARGET.h5")
+    given = [f"--{n.replace('_', '-')}" for n in PREDICT_REFUSES if getattr(args, n) is not None]
+    if given:
+        raise ValueError(
+            f"--predict takes each target's settings from its run log and the machine's load "
+            f"from the calibration, so {', '.join(given)} cannot be given with it; HINT: drop "
+            f"{', '.join(given)}"
+        )
+    machine = _machine(args)
+    source_path = _run_log_path(args.run_log)
+    source = load(source_path)
+    rows = []
+    for target_path in (_run_log_path(p) for p in args.predict):
+        names = (str(source_path), str(target_path))
+        rows.append(predict_pair(source, load(target_path), machine, names))
+    return rows
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """``--predict``: the held-out table; a bad input is one ``error:`` line and exit 2."""
+    try:
+        rows = predict_rows(args)
+    except (DynmoError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(error_line(exc, HINT), file=sys.stderr)
+        return 2
+    table = {"calibration": args.calibration_used, "rows": [r.to_json() for r in rows]}
+    if args.json_out is not None:
+        atomic_write_text(args.json_out, json.dumps(table, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(table))
+        return 0
+    print(f"calibration: {args.calibration_used}; source: {args.run_log}")
+    print(format_table(rows))
+    return 0
+
+
+def format_table(rows: list[HeldOutRow]) -> str:
+    """The held-out rows as a fixed-width text table."""
+    lines = [
+        f"{'target':<40}{'P':>3}{'M':>4}{'algorithm':>11}{'meas s':>9}{'pred s':>9}{'err':>8}"
+        f"{'meas x':>8}{'pred x':>8}{'err':>8}"
+    ]
+    for r in rows:
+        t = r.target_settings
+        lines.append(
+            f"{Path(r.target).parent.name or r.target:<40}{t.num_stages:>3}"
+            f"{t.num_microbatches:>4}{t.algorithm:>11}{r.measured_target_s:>9.4f}"
+            f"{r.predicted_target_s:>9.4f}{r.step_error:>+8.1%}{r.measured_speedup:>8.3f}"
+            f"{r.predicted_speedup:>8.3f}{r.speedup_error:>+8.1%}"
+        )
+    return "\n".join(lines)

@@ -218,10 +218,12 @@ class SlurmSection:
         num_nodes = self.num_nodes(num_ranks)
         slots = num_nodes * self.tasks_per_node
         if slots < num_ranks:
+            needed = f"pipeline.num_stages({pipeline.num_stages})"
+            if pipeline.replicas > 1:
+                needed = f"pipeline.replicas({pipeline.replicas}) * {needed} = {num_ranks}"
             raise ConfigError(
                 f"slurm.nodes({num_nodes}) * slurm.tasks_per_node({self.tasks_per_node}) = "
-                f"{slots} < pipeline.replicas({pipeline.replicas}) * pipeline.num_stages"
-                f"({pipeline.num_stages}) = {num_ranks}: every stage of every replica needs a "
-                "task slot; HINT: raise slurm.nodes or slurm.tasks_per_node, or set "
-                "slurm.nodes: null (one node per rank)"
+                f"{slots} < {needed}: every stage of every replica needs a task slot; "
+                "HINT: raise slurm.nodes or slurm.tasks_per_node, or set slurm.nodes: null "
+                "(one node per rank)"
             )

@@ -133,6 +133,10 @@ def wait_quietly(
 class StageLink:
     """Activation and gradient exchange for one stage with its pipeline neighbours.
 
+    ``comm`` is the stage's replica's pipeline communicator
+    (:class:`~dynmo_hpc.pipeline.groups.RankGroups`), in which rank = stage, so the neighbours
+    are ranks ``stage - 1`` and ``stage + 1`` there.
+
     Tags: ``(microbatch * 2 + direction) * _MAX_KEYS + key_index``; messages between a pair of
     ranks are matched by tag, so out-of-order microbatches (1F1B) never mix.
     """

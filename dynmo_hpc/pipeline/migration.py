@@ -343,6 +343,9 @@ def migrate(
 ) -> MigrationStats:
     """Move layers so this rank owns ``new_parts[rank]..new_parts[rank+1]-1``; collective.
 
+    ``comm``: one replica's pipeline communicator (a duplicate of it), in which rank = stage;
+    with data-parallel replicas every replica calls this at once over its own.
+
     Every rank must call it with the same ``new_parts``. All moves are in flight at once (every
     send and receive is posted before any is waited on), so moves between different pairs of
     ranks overlap; a rank's own sends and receives share its progress loop (which also hashes

@@ -52,7 +52,7 @@ class RunLog:
     steps: pd.DataFrame
     """One row per step: step, wall_s, loss, step_time_s, tokens_per_s, lr, num_stages, ..."""
     stage_times: pd.DataFrame
-    """One row per (step, stage): compute_s, idle_s."""
+    """One row per (step, replica, stage): compute_s, idle_s, replica, allreduce_s."""
     layer_costs: pd.DataFrame
     """One row per (load report step, layer): forward_s, backward_s, num_params, *_bytes."""
     partitions: pd.DataFrame

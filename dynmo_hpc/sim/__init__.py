@@ -11,6 +11,10 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
   wall seconds per CPU second) and their JSON file;
 - :mod:`~dynmo_hpc.sim.cost_model`: a layer's forward and backward FLOPs and bytes from its
   shape and its scheme state, and their seconds at a machine's rates;
+- :mod:`~dynmo_hpc.sim.cost_fit`: those rates fitted on measured layers and checked on layers
+  the fit did not see;
+- :mod:`~dynmo_hpc.sim.cost_measure`: the measuring of the real layers (the one module here that
+  imports torch; nothing else in the package imports it);
 - :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead
   constants fitted from such splits.
 """

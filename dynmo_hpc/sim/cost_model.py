@@ -11,8 +11,9 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
 
 - FLOPs count the matmuls only, 2 per multiply-add (``2 m k n`` for an ``(m, k) @ (k, n)``);
   LayerNorm, GELU, softmax and residual adds are counted in bytes (they are memory-bound), so
-  the fitted bytes rate absorbs their few FLOPs per element. Biases are left out (one add per
-  output, next to ``k`` multiply-adds);
+  the fitted bytes rate absorbs their few FLOPs per element. Biases add no FLOPs (one add per
+  output, next to ``k`` multiply-adds), but a bias's gradient re-reads the output's gradient
+  (bytes, in the weight-gradient half);
 - bytes are float32 values read and written, each operand once per kernel: a matmul reads its two
   inputs and writes its output; an elementwise operation reads and writes one tensor forward and
   reads two (its saved input, the output's gradient) and writes one backward; attention is fused
@@ -21,29 +22,42 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
   forward) and a weight-gradient matmul (same again); attention's two products have no weight and
   their backward is two products each (4x the forward's score FLOPs in all, all input gradient);
 - causal attention counts the (query, key) pairs it computes: ``t_q (t_kv + 1) / 2`` per head
-  per sequence, times the kept density; MoD's kept tokens attend among themselves, early exit's
-  active queries attend to every token's keys.
+  per sequence; MoD's kept tokens attend among themselves; early exit's active queries attend to
+  every token's keys through an explicit mask, so its kernel computes all ``t_q t_kv`` pairs;
+- indexed bytes: gathers and scatters (MoD's routing, early exit's active tokens, block-sparse
+  attention's kept key blocks) move each element with its int64 index, at a rate of their own
+  (``LayerRates.indexed_bytes_per_s``): 16 bytes an element (value read, value written, index);
+- block-sparse attention (``attention_density < 1``) is the project's kernel
+  (:mod:`dynmo_hpc.model.schemes.sparse_attention`): whole ``sparse_block_size`` key blocks,
+  gathered, with the score matrix materialised (its bytes counted) and one op group per run of
+  query blocks that keep equally many key blocks;
+- ops: each operation with work in a pass counts one toward the pass's op count, which the
+  rates charge ``op_overhead_s`` each (dispatch of a few small kernels).
 
 Scheme state (:class:`SchemeState`) and what it removes:
 
 - pruning: ``neurons_kept`` shrinks d_ff, ``heads_kept`` shrinks the attention width;
 - MoD and early exit: ``tokens_kept`` of the micro batch's tokens run the block (``kv_tokens_kept``
-  of them still project keys and values: all for early exit);
-- sparse attention: ``attention_density`` of the causal pairs;
+  of them still project keys and values: all for early exit); a MoD block (``tokens_kept < 1``,
+  ``kv_tokens_kept`` None) also routes: a router over every token, the kept tokens gathered in
+  and scattered back;
+- sparse attention: ``attention_density`` of the causal key blocks (kept blocks over causal
+  blocks, as the run log records them);
 - MoE: ``expert_loads``, each expert's tokens as a fraction of the block's, replace the dense
   feed-forward (one expert MLP per entry, plus the router); ``padded`` runs every expert on the
   busiest one's load;
 - freezing: ``frozen`` drops the weight-gradient half of the backward; ``frozen_prefix`` (inside
   the prefix below the first trainable layer) drops the backward altogether.
 
-Time of a pass: ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``
-(:func:`pass_time_s`); a pass with no work (a frozen prefix's backward) costs 0.
+Time of a pass: ``flops / flops_per_s + bytes / bytes_per_s + indexed_bytes /
+indexed_bytes_per_s + ops * op_overhead_s + overhead_s`` (:func:`pass_time_s`; the backward
+may have a FLOP rate of its own); a pass with no work (a frozen prefix's backward) costs 0.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from dynmo_hpc.config import ModelSection
@@ -109,6 +123,9 @@ class SchemeState:
     """MoE ``dispatch: padded``: every expert runs the busiest expert's load."""
     exit_head: bool = False
     """Early exit: the block owns an exit head (LayerNorm and a d_model x vocab map)."""
+    sparse_block_size: int = 16
+    """Tokens per key block of block-sparse attention (``schemes.sparse_attention.block_size``);
+    read only when ``attention_density < 1``."""
 
     def check(self) -> None:
         """ValueError naming the field when a fraction is outside its range."""
@@ -124,6 +141,9 @@ class SchemeState:
             for load in self.expert_loads:
                 if not math.isfinite(load) or load < 0:
                     raise ValueError(f"expert load {load!r} must be finite and >= 0")
+        size = self.sparse_block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"sparse_block_size={size!r} must be an integer >= 1")
 
 
 def _fraction(name: str, value: float) -> None:
@@ -141,6 +161,26 @@ class OpCost:
     dgrad_bytes: float = 0.0
     wgrad_flops: float = 0.0
     wgrad_bytes: float = 0.0
+    forward_indexed_bytes: float = 0.0
+    """Bytes moved by gathers and scatters (with their indices), forward."""
+    dgrad_indexed_bytes: float = 0.0
+    """Bytes moved by gathers and scatters in the input-gradient backward."""
+    count: int = 1
+    """Operations this entry stands for in the forward (a kernel's loop, two lookups): what
+    ``LayerRates.op_overhead_s`` is charged for. An op is about a Linear's or a LayerNorm's
+    dispatch: a module call and a few small kernels."""
+    backward_count: int | None = None
+    """Operations in the backward; None: ``count``. Index bookkeeping (masks, positions, top-k)
+    runs forward only."""
+
+    def has_forward(self) -> bool:
+        """Whether the forward does any work (counts toward the forward's ops)."""
+        return bool(self.forward_flops or self.forward_bytes or self.forward_indexed_bytes)
+
+    def has_backward(self, frozen: bool) -> bool:
+        """Whether the backward does any work; a frozen layer's weight gradient does none."""
+        dgrad = self.dgrad_flops or self.dgrad_bytes or self.dgrad_indexed_bytes
+        return bool(dgrad or (not frozen and (self.wgrad_flops or self.wgrad_bytes)))
 
 
 @dataclass(frozen=True)
@@ -153,16 +193,24 @@ class LayerCost:
     backward_bytes: float
     ops: dict[str, OpCost] = field(default_factory=dict, compare=False)
     """The operations it is the sum of, by name (for tests and reading)."""
+    forward_indexed_bytes: float = 0.0
+    backward_indexed_bytes: float = 0.0
+    forward_ops: int = 0
+    """Operations with forward work (each charged ``LayerRates.op_overhead_s``)."""
+    backward_ops: int = 0
+    """Operations with backward work (0 in a frozen prefix)."""
 
 
-def matmul(m: float, k: float, n: float, *, weight: bool = True) -> OpCost:
+def matmul(m: float, k: float, n: float, *, weight: bool = True, bias: bool = False) -> OpCost:
     """``(m, k) @ (k, n)``: 2 m k n FLOPs, the three operands' bytes, per pass; a weight-less
-    product has no weight-gradient part."""
+    product has no weight-gradient part. With a ``bias`` (``nn.Linear``'s default), the weight
+    gradient also sums the output's gradient over the rows: ``m n`` values read again."""
     flops = 2.0 * m * k * n
     nbytes = (m * k + k * n + m * n) * BYTES_PER_VALUE
     if not weight:
         return OpCost(flops, nbytes, 2 * flops, 2 * nbytes)
-    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes)
+    bias_bytes = (m * n + n) * BYTES_PER_VALUE if bias else 0.0
+    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes + bias_bytes)
 
 
 def elementwise(elements: float) -> OpCost:
@@ -185,11 +233,76 @@ def attention_core(batch: int, width: float, t_q: float, t_kv: float, density: f
     return OpCost(flops, forward_bytes, 2 * flops, backward_bytes)
 
 
+INDEX_BYTES = 8
+"""int64, the index of a gather or scatter, one per element moved."""
+INDEXED_BYTES_PER_ELEMENT = 2 * BYTES_PER_VALUE + INDEX_BYTES
+
+
+def gather(elements: float, source_elements: float) -> OpCost:
+    """Gather ``elements`` values out of a ``source_elements`` tensor; backward scatters their
+    gradients into a zeroed gradient of the source (plain bytes: the zero fill)."""
+    moved = elements * INDEXED_BYTES_PER_ELEMENT
+    zeros = source_elements * BYTES_PER_VALUE
+    return OpCost(forward_indexed_bytes=moved, dgrad_bytes=zeros, dgrad_indexed_bytes=moved)
+
+
+def scatter(elements: float, target_elements: float) -> OpCost:
+    """Write ``elements`` values into a copy of a ``target_elements`` tensor (out of place);
+    backward copies the target's gradient with those places zeroed and gathers theirs."""
+    moved = elements * INDEXED_BYTES_PER_ELEMENT
+    copy = 2 * target_elements * BYTES_PER_VALUE
+    return OpCost(
+        forward_bytes=copy,
+        forward_indexed_bytes=moved,
+        dgrad_bytes=copy,
+        dgrad_indexed_bytes=2 * moved,
+    )
+
+
+def blocks_kept(num_blocks: int, density: float) -> list[int]:
+    """Key blocks each query block keeps: ``ceil(density (i + 1))``, at least its own (the
+    rule of :func:`dynmo_hpc.model.schemes.sparse_attention.blocks_kept_per_row`)."""
+    return [max(1, min(i + 1, math.ceil(density * (i + 1) - 1e-9))) for i in range(num_blocks)]
+
+
+GROUP_OPS = 3
+"""Ops a group of block-sparse attention stands for: about ten small kernels (sort, two gathers,
+two products, the mask, the softmax), about three times a plain op's (a Linear's, a LayerNorm's)."""
+RANK_OPS = 3
+"""Ops of the key-block ranking (pooling, scores, masks, argsort: about eight kernels, no
+gradient)."""
+
+
+def block_sparse_attention(
+    batch: int, width: float, heads: float, t_q: float, density: float, block_size: int
+) -> dict[str, OpCost]:
+    """The project's block-sparse attention over ``t_q`` tokens (queries and keys alike).
+
+    ``density`` of the ``nb (nb + 1) / 2`` causal key blocks are kept (``nb = t_q /
+    block_size``), each computed whole: ``2 bs^2 width`` FLOPs per kept block in each of the
+    two products. The score matrix (``heads bs^2`` values per kept block) is written by the
+    first product, read and written by the mask and the softmax, and read by the second (6
+    passes forward, 9 backward); the kept key and value blocks are gathered (indexed bytes).
+    One ``group`` op per run of query blocks with equal counts, as the kernel loops."""
+    bs = block_size
+    nb = max(1.0, t_q / bs)
+    kept = density * nb * (nb + 1) / 2
+    flops = 4.0 * batch * kept * bs * bs * width
+    scores = batch * heads * kept * bs * bs * BYTES_PER_VALUE
+    qkv = batch * width * t_q
+    groups = len(set(blocks_kept(max(1, round(nb)), density)))
+    return {
+        "attention": OpCost(flops, 6 * scores, 2 * flops, 9 * scores, count=GROUP_OPS * groups),
+        "attention_rank": OpCost(forward_bytes=2 * qkv * BYTES_PER_VALUE, count=RANK_OPS),
+        "attention_gather": gather(2 * batch * kept * bs * width, 2 * qkv),
+    }
+
+
 def _feed_forward(rows: float, d_model: int, d_ff: float, prefix: str) -> dict[str, OpCost]:
     return {
-        f"{prefix}fc": matmul(rows, d_model, d_ff),
+        f"{prefix}fc": matmul(rows, d_model, d_ff, bias=True),
         f"{prefix}gelu": elementwise(rows * d_ff),
-        f"{prefix}proj": matmul(rows, d_ff, d_model),
+        f"{prefix}proj": matmul(rows, d_ff, d_model, bias=True),
     }
 
 
@@ -205,6 +318,47 @@ def _moe(rows: float, shape: LayerShape, d_ff: float, state: SchemeState) -> dic
     return ops
 
 
+def _attention(shape: LayerShape, state: SchemeState, t_q: float, t_kv: float) -> dict[str, OpCost]:
+    """Dense causal attention (fused), the masked active-token attention of early exit (all
+    ``t_q t_kv`` pairs), or the block-sparse kernel."""
+    b, width = shape.micro_batch, state.heads_kept * shape.d_model
+    if state.attention_density < 1:
+        heads = state.heads_kept * shape.num_heads
+        return block_sparse_attention(
+            b, width, heads, t_q, state.attention_density, state.sparse_block_size
+        )
+    if state.kv_tokens_kept is not None and t_q < t_kv:
+        # pairs = t_q (t_kv' + 1) / 2 with t_kv' = 2 t_kv - 1: every (query, key) pair
+        return {"attention": attention_core(b, width, t_q, 2 * t_kv - 1, 1.0)}
+    return {"attention": attention_core(b, width, t_q, t_kv, 1.0)}
+
+
+def _token_selection(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
+    """MoD's routing or early exit's active-token indexing; nothing when every token runs."""
+    c, n_all = shape.d_model, shape.micro_batch * shape.seq_len
+    n_q = n_all * state.tokens_kept
+    if state.tokens_kept >= 1:
+        return {}
+    if state.kv_tokens_kept is None:  # MoD: route, gather the kept tokens in, scatter back
+        return {
+            "router": OpCost(
+                forward_bytes=(n_all * c + n_all) * BYTES_PER_VALUE,
+                dgrad_bytes=(n_q * c + n_all * c) * BYTES_PER_VALUE,
+                wgrad_bytes=n_q * c * BYTES_PER_VALUE,
+            ),
+            "topk": OpCost(forward_bytes=2 * n_all * BYTES_PER_VALUE, count=2),
+            "select": gather(n_q * c, n_all * c),
+            "combine": elementwise(3 * n_q * c),
+            "scatter": scatter(n_q * c, n_all * c),
+        }
+    return {  # early exit: active tokens and their queries packed, the output put back
+        "select": gather(2 * n_q * c, n_all * c),
+        "pack_queries": replace(scatter(n_q * c, n_q * c), count=4, backward_count=1),
+        "unpack": gather(n_q * c, n_q * c),
+        "scatter": scatter(n_q * c, n_all * c),
+    }
+
+
 def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
     """A pre-norm block's operations (:class:`dynmo_hpc.model.gpt.Block`) under ``state``."""
     c, b, t = shape.d_model, shape.micro_batch, shape.seq_len
@@ -215,12 +369,13 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
     d_ff = state.neurons_kept * shape.d_ff
     ops = {
         "ln_1": elementwise(n_kv * c),
-        "q": matmul(n_q, c, width),
-        "kv": matmul(n_kv, c, 2 * width),
-        "attention": attention_core(b, width, t_q, t_kv, state.attention_density),
-        "attn_proj": matmul(n_q, width, c),
+        "q": matmul(n_q, c, width, bias=True),
+        "kv": matmul(n_kv, c, 2 * width, bias=True),
+        **_attention(shape, state, t_q, t_kv),
+        "attn_proj": matmul(n_q, width, c, bias=True),
         "residual_1": elementwise(n_q * c),
         "ln_2": elementwise(n_q * c),
+        **_token_selection(shape, state),
     }
     if state.expert_loads is None:
         ops.update(_feed_forward(n_q, c, d_ff, "mlp_"))
@@ -236,11 +391,12 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
 
 def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
     """Token plus position lookup: rows read and summed forward, scattered into the tables'
-    gradients backward (weight gradient only: the input is token ids)."""
+    gradients backward (weight gradient only: the input is token ids); three operations (two
+    lookups and the sum)."""
     n, c = shape.micro_batch * shape.seq_len, shape.d_model
     forward = (2 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
     backward = (3 * n * c + shape.seq_len * c) * BYTES_PER_VALUE
-    return {"lookup": OpCost(0.0, forward, 0.0, 0.0, 0.0, backward)}
+    return {"lookup": OpCost(0.0, forward, 0.0, 0.0, 0.0, backward, count=3)}
 
 
 def head_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
@@ -270,34 +426,77 @@ def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost
         ops = block_ops(shape, state)
     backward_flops = sum(op.dgrad_flops for op in ops.values())
     backward_bytes = sum(op.dgrad_bytes for op in ops.values())
+    backward_indexed = sum(op.dgrad_indexed_bytes for op in ops.values())
+    backward_ops = sum(
+        op.count if op.backward_count is None else op.backward_count
+        for op in ops.values()
+        if op.has_backward(state.frozen)
+    )
     if not state.frozen:
         backward_flops += sum(op.wgrad_flops for op in ops.values())
         backward_bytes += sum(op.wgrad_bytes for op in ops.values())
     if state.frozen_prefix:
-        backward_flops = backward_bytes = 0.0
+        backward_flops = backward_bytes = backward_indexed = 0.0
+        backward_ops = 0
     return LayerCost(
         forward_flops=sum(op.forward_flops for op in ops.values()),
         forward_bytes=sum(op.forward_bytes for op in ops.values()),
         backward_flops=backward_flops,
         backward_bytes=backward_bytes,
         ops=ops,
+        forward_indexed_bytes=sum(op.forward_indexed_bytes for op in ops.values()),
+        backward_indexed_bytes=backward_indexed,
+        forward_ops=sum(op.count for op in ops.values() if op.has_forward()),
+        backward_ops=backward_ops,
     )
 
 
-def pass_time_s(flops: float, nbytes: float, rates: LayerRates) -> float:
-    """Seconds of one pass: ``flops / flops_per_s + bytes / bytes_per_s + overhead_s``; 0 for a
-    pass with no work (a frozen prefix's backward is not run at all)."""
-    if flops == 0 and nbytes == 0:
+def pass_time_s(
+    flops: float,
+    nbytes: float,
+    rates: LayerRates,
+    *,
+    indexed_bytes: float = 0.0,
+    num_ops: int = 0,
+    backward: bool = False,
+) -> float:
+    """Seconds of one pass: ``flops / flops_per_s + bytes / bytes_per_s + indexed_bytes /
+    indexed_bytes_per_s + num_ops * op_overhead_s + overhead_s`` (the backward's FLOPs at
+    ``rates.backward_flops_per_s`` when set); 0 for a pass with no work (a frozen prefix's
+    backward is not run at all)."""
+    if flops == 0 and nbytes == 0 and indexed_bytes == 0:
         return 0.0
-    return flops / rates.flops_per_s + nbytes / rates.bytes_per_s + rates.overhead_s
+    flops_per_s = rates.flops_per_s
+    if backward and rates.backward_flops_per_s is not None:
+        flops_per_s = rates.backward_flops_per_s
+    indexed_per_s = rates.indexed_bytes_per_s or rates.bytes_per_s
+    return (
+        flops / flops_per_s
+        + nbytes / rates.bytes_per_s
+        + indexed_bytes / indexed_per_s
+        + num_ops * rates.op_overhead_s
+        + rates.overhead_s
+    )
 
 
 def layer_times_s(cost: LayerCost, rates: LayerRates) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one microbatch through the layer."""
-    return (
-        pass_time_s(cost.forward_flops, cost.forward_bytes, rates),
-        pass_time_s(cost.backward_flops, cost.backward_bytes, rates),
+    forward_s = pass_time_s(
+        cost.forward_flops,
+        cost.forward_bytes,
+        rates,
+        indexed_bytes=cost.forward_indexed_bytes,
+        num_ops=cost.forward_ops,
     )
+    backward_s = pass_time_s(
+        cost.backward_flops,
+        cost.backward_bytes,
+        rates,
+        indexed_bytes=cost.backward_indexed_bytes,
+        num_ops=cost.backward_ops,
+        backward=True,
+    )
+    return forward_s, backward_s
 
 
 def layer_shapes(model: ModelSection, micro_batch: int) -> list[LayerShape]:

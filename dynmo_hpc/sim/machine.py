@@ -19,11 +19,17 @@ then predict); the wall-per-CPU ratio is measured from the replayed run's own st
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from dynmo_hpc.atomic_io import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,15 +75,27 @@ class LayerRates:
     """Sustained memory bytes per second of one rank."""
     overhead_s: float = 0.0
     """Seconds per layer per pass (forward or backward): Python, dispatch, kernel launches."""
+    backward_flops_per_s: float | None = None
+    """Matmul FLOP/s in the backward (transposed operands, weight-gradient reductions run at
+    another speed than the forward); None: ``flops_per_s``."""
+    indexed_bytes_per_s: float | None = None
+    """Bytes per second of gathers and scatters (each element moved with its index); None:
+    ``bytes_per_s``."""
+    op_overhead_s: float = 0.0
+    """Seconds per operation per pass (``LayerCost.forward_ops`` / ``backward_ops``): the
+    dispatch of each op's kernels, which a layer of many small ops pays many times."""
 
     def check(self) -> None:
-        """Raise ValueError unless both rates are finite and > 0 and the overhead >= 0."""
-        for name in ("flops_per_s", "bytes_per_s"):
+        """Raise ValueError unless every rate is finite and > 0 and the overheads >= 0."""
+        for name in ("flops_per_s", "bytes_per_s", "backward_flops_per_s", "indexed_bytes_per_s"):
             value = getattr(self, name)
+            if value is None:
+                continue
             _non_negative(name, value)
             if value == 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
         _non_negative("overhead_s", self.overhead_s)
+        _non_negative("op_overhead_s", self.op_overhead_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +116,15 @@ class MachineModel:
     poll_max_s: float | None = None
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`);
     None: inputs are noticed at once."""
+    external_wall_s_per_cpu_s: float | None = None
+    """Wall seconds per CPU second that other processes' load adds on top of the ranks' own
+    sharing of ``cores``, fitted on calibration runs (:func:`dynmo_hpc.sim.heldout.fit_machine`),
+    never on the run predicted: the replay uses it as it is, for every step. None: not fitted
+    (a measured ``--wall-per-cpu`` or ``wall_s_per_cpu_s`` decides)."""
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
-    ``layer_overhead_s``, given together); None: the file has none."""
+    ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
+    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``); None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -113,7 +137,12 @@ class MachineModel:
             value = getattr(self, name)
             if value is not None:
                 _non_negative(name, value)
-        for name in ("bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores"):
+        for name in (
+            "bandwidth_bytes_per_s",
+            "wall_s_per_cpu_s",
+            "cores",
+            "external_wall_s_per_cpu_s",
+        ):
             value = getattr(self, name)
             if value is not None:
                 _non_negative(name, value)
@@ -133,8 +162,10 @@ class MachineModel:
             if value is not None:
                 out[name] = value
         if self.layer_rates is not None:
-            for key, attr in _RATE_KEYS.items():
-                out[key] = getattr(self.layer_rates, attr)
+            for key, attr in {**_RATE_KEYS, **_OPTIONAL_RATE_KEYS}.items():
+                value = getattr(self.layer_rates, attr)
+                if value is not None:
+                    out[key] = value
         return out
 
 
@@ -149,7 +180,19 @@ _RATE_KEYS = {
     "layer_bytes_per_s": "bytes_per_s",
     "layer_overhead_s": "overhead_s",
 }
-_OPTIONAL_KEYS = ("latency_s", "bandwidth_bytes_per_s", "wall_s_per_cpu_s", "cores", "poll_max_s")
+_OPTIONAL_RATE_KEYS = {
+    "layer_backward_flops_per_s": "backward_flops_per_s",
+    "layer_indexed_bytes_per_s": "indexed_bytes_per_s",
+    "layer_op_overhead_s": "op_overhead_s",
+}
+_OPTIONAL_KEYS = (
+    "latency_s",
+    "bandwidth_bytes_per_s",
+    "wall_s_per_cpu_s",
+    "cores",
+    "poll_max_s",
+    "external_wall_s_per_cpu_s",
+)
 
 
 def _non_negative(name: str, value: object) -> None:
@@ -169,14 +212,23 @@ def _number(name: str, value: object) -> float:
 def machine_from_json(data: object) -> MachineModel:
     """A :class:`MachineModel` from a parsed JSON object; ValueError names the bad key.
 
-    Unknown keys are refused, so a misspelt term cannot silently stay 0.
+    An unknown key that looks like a misspelling of a known one is refused, so a misspelt term
+    cannot silently stay 0; any other unknown key (one a newer version of the file added) is
+    logged and ignored, so files from parallel calibrations stay readable.
     """
     if not isinstance(data, dict):
         raise ValueError(f"a machine file holds one JSON object, not {type(data).__name__}")
-    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, "notes"}
+    known = {*_OVERHEAD_KEYS, *_OPTIONAL_KEYS, *_RATE_KEYS, *_OPTIONAL_RATE_KEYS, "notes"}
     unknown = sorted(set(data) - known)
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"unknown machine key {key!r}; HINT: did you mean {close[0]!r}? "
+                f"known: {sorted(known)}"
+            )
     if unknown:
-        raise ValueError(f"unknown machine key(s) {', '.join(unknown)}; known: {sorted(known)}")
+        log.warning("machine file: ignoring unknown key(s) %s", ", ".join(unknown))
     values = {key: _number(key, data[key]) for key in _OVERHEAD_KEYS if key in data}
     for key, value in values.items():
         _non_negative(key, value)  # named as in the file, not as the attribute
@@ -195,7 +247,7 @@ def machine_from_json(data: object) -> MachineModel:
 def _layer_rates(data: dict[str, Any]) -> LayerRates | None:
     """The three ``layer_*`` keys as :class:`LayerRates`; None when none is given; ValueError
     when only some are (a missing rate cannot default to anything meaningful)."""
-    given = [key for key in _RATE_KEYS if key in data]
+    given = [key for key in (*_RATE_KEYS, *_OPTIONAL_RATE_KEYS) if key in data]
     if not given:
         return None
     missing = [key for key in _RATE_KEYS if key not in data]
@@ -204,11 +256,12 @@ def _layer_rates(data: dict[str, Any]) -> LayerRates | None:
             f"machine file gives {', '.join(given)} but not {', '.join(missing)}; "
             "HINT: the per-layer cost model needs all three layer_* keys"
         )
-    rates = LayerRates(**{attr: _number(key, data[key]) for key, attr in _RATE_KEYS.items()})
-    for key, attr in _RATE_KEYS.items():
+    keys = {key: attr for key, attr in {**_RATE_KEYS, **_OPTIONAL_RATE_KEYS}.items() if key in data}
+    rates = LayerRates(**{attr: _number(key, data[key]) for key, attr in keys.items()})
+    for key, attr in keys.items():
         value = getattr(rates, attr)
         _non_negative(key, value)
-        if value == 0 and key != "layer_overhead_s":
+        if value == 0 and not key.endswith("overhead_s"):
             raise ValueError(f"{key}={value!r} must be > 0")
     return rates
 
@@ -229,7 +282,22 @@ def load_machine(path: Path) -> MachineModel:
         raise ValueError(f"machine file {path}: {exc}") from None
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "machines"
+"""Machine calibrations shipped with the package, one per machine: ``cpu_<N>core.json``."""
+
+
+def shipped_machine_path(cores: int) -> Path | None:
+    """The calibration shipped for a machine with ``cores`` usable cores, or None.
+
+    Why by core count: the only machine calibrated so far is the project's 2-core development
+    machine (``benchmarks/heldout_sim.py --write-machine``); a machine with another core count
+    has none, and ``dynmo-hpc simulate`` says so rather than borrow one.
+    """
+    path = SHIPPED_DIR / f"cpu_{cores}core.json"
+    return path if path.is_file() else None
+
+
 def save_machine(model: MachineModel, path: Path) -> None:
     """Write ``model`` as the JSON :func:`load_machine` reads back unchanged."""
     model.check()
-    path.write_text(json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(model.to_json(), indent=1, sort_keys=True) + "\n")

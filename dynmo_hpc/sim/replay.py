@@ -144,6 +144,11 @@ class ReplaySetup:
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`)."""
     packing: PackingSetup = field(default_factory=PackingSetup)
     """What :data:`PACKING` decides with."""
+    ratios_are_external: bool = False
+    """The reports' wall-per-CPU ratios are other processes' load alone (a machine
+    calibration's ``external_wall_s_per_cpu_s``), used as they are. False: they are a run's
+    measured ratios, which contain its own ranks' sharing of ``cores``; with ``cores`` fewer
+    than the stages that part is taken off (:func:`external_wall_s_per_cpu_s`)."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -230,7 +235,7 @@ def _step_times_s(
     own = 1.0 if cores is None else sharing_ratio(forward, backward, m, setup)
     out = {}
     for ratio in set(ratios):
-        k = ratio if cores is None else max(1.0, ratio / own)
+        k = ratio if cores is None or setup.ratios_are_external else max(1.0, ratio / own)
         out[ratio] = simulate_step(
             [k * x for x in forward],
             [k * x for x in backward],

@@ -1,0 +1,261 @@
+"""Held-out prediction: one run's step time from another run's layer costs, and the machine
+calibration that makes it possible without the target's own wall times.
+
+Why: replaying a run with its own measured wall-per-CPU ratio (``--wall-per-cpu run``) predicts
+only what the ratio leaves over, since most of the step is the layers' wall time it takes from
+the very run it predicts. The honest test of the simulator is to predict a run it never saw:
+
+- the *source* run X gives its load reports (each layer's thread CPU seconds per step, its
+  parameters and bytes), as the trainer measured them;
+- the *target* run Y gives only its settings, the ones a user chooses before running it: stages,
+  microbatches, schedule, balancing algorithm, report interval, steps. Y may differ from X by
+  algorithm (uniform -> optimal, diffusion, packing) or by stage count (X's per-layer costs are
+  re-partitioned onto Y's stages);
+- the machine calibration (:class:`~dynmo_hpc.sim.machine.MachineModel`) gives the overheads,
+  the link, the cores the ranks share and the other processes' load
+  (``external_wall_s_per_cpu_s``), all fitted on *calibration runs* that are neither X nor Y
+  (:func:`fit_machine`).
+
+Y's measured wall times are read only by :func:`measured_step_s`, to be compared against.
+The invariant the tests check: changing the target's measured times changes the measured
+column and nothing in the prediction.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dynmo_hpc.runlog import RunLog
+from dynmo_hpc.sim.calibration import decompose, fit_overheads, replayed_algorithm
+from dynmo_hpc.sim.machine import MachineModel
+from dynmo_hpc.sim.replay import ReplayResult, ReplaySetup, replay, sharing_ratio
+from dynmo_hpc.sim.runlog_traces import (
+    RunTraces,
+    measured_wall_s_per_cpu_s,
+    traces_from_runlog,
+)
+from dynmo_hpc.sim.step import stage_times_s, transfer_time_s
+
+JOB_KEYS = ("model", "schemes")
+"""Config sections that make two runs the same job (the same layers, doing the same work)."""
+JOB_TRAIN_KEYS = ("micro_batch_size",)
+"""``train`` keys that change a layer's cost per microbatch."""
+DEFAULT_BANDWIDTH_BYTES_PER_S = 100e9 / 8
+"""The link when the machine file has none: ``dynmo-hpc simulate``'s default, 100 Gbit/s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetSettings:
+    """What a user chooses for the run to be predicted; nothing measured."""
+
+    num_stages: int
+    num_microbatches: int
+    schedule: str
+    algorithm: str
+    """The replayed algorithm (``static`` is ``uniform``, :func:`replayed_algorithm`)."""
+    interval: int
+    num_steps: int
+    margin: float
+    smoothing: float
+
+
+def target_settings(config: dict[str, Any], name: str = "target") -> TargetSettings:
+    """A run's settings from its config (a run log's ``config``); ValueError names the run."""
+    pipeline, train, balance = config["pipeline"], config["train"], config["balance"]
+    algorithm = replayed_algorithm(str(balance["algorithm"]))
+    if algorithm is None:
+        raise ValueError(
+            f"{name}: balance.algorithm={balance['algorithm']!r} has no replayed equivalent; "
+            "HINT: predict a static run or one of the rebalancing algorithms"
+        )
+    return TargetSettings(
+        num_stages=int(pipeline["num_stages"]),
+        num_microbatches=int(train["num_microbatches"]),
+        schedule=str(pipeline["schedule"]),
+        algorithm=algorithm,
+        interval=int(balance["interval"]),
+        num_steps=int(train["steps"]),
+        margin=float(balance["margin"]),
+        smoothing=float(balance["smoothing"]),
+    )
+
+
+def check_same_job(source: dict[str, Any], target: dict[str, Any], names: tuple[str, str]) -> None:
+    """ValueError unless the two configs run the same layers with the same batch: a source's
+    per-layer costs say nothing about another model."""
+    differing = [key for key in JOB_KEYS if source.get(key) != target.get(key)]
+    differing += [
+        f"train.{key}"
+        for key in JOB_TRAIN_KEYS
+        if source.get("train", {}).get(key) != target.get("train", {}).get(key)
+    ]
+    if differing:
+        raise ValueError(
+            f"{names[1]} is not the same job as {names[0]} (they differ in "
+            f"{', '.join(differing)}); HINT: predict a run of the same job (same model, "
+            "schemes and train.micro_batch_size), differing only in stages, microbatches, "
+            "schedule or balance algorithm"
+        )
+
+
+def replay_setup(
+    target: TargetSettings, machine: MachineModel, activation_bytes: float, traces: RunTraces
+) -> ReplaySetup:
+    """The replay of ``target``'s settings on ``machine`` (its terms; its link, else 100 Gbit/s;
+    its external load, applied as it is)."""
+    bandwidth = machine.bandwidth_bytes_per_s or DEFAULT_BANDWIDTH_BYTES_PER_S
+    comm_s = transfer_time_s(machine.latency_s or 0.0, bandwidth, activation_bytes)
+    return ReplaySetup(
+        num_stages=target.num_stages,
+        num_microbatches=target.num_microbatches,
+        schedule=target.schedule,
+        interval=target.interval,
+        num_steps=target.num_steps,
+        comm_s=comm_s if target.num_stages > 1 else 0.0,
+        bandwidth_bytes_per_s=bandwidth,
+        margin=target.margin,
+        smoothing=target.smoothing,
+        overheads=machine.overheads,
+        cores=machine.cores,
+        poll_max_s=machine.poll_max_s or 0.0,
+        packing=traces.packing,
+        ratios_are_external=machine.external_wall_s_per_cpu_s is not None,
+    )
+
+
+def predict(traces: RunTraces, target: TargetSettings, machine: MachineModel) -> ReplayResult:
+    """``target``'s replay from the source's load reports (CPU seconds only: the source's wall
+    times are not used), stretched by the machine's fitted external load."""
+    k = machine.external_wall_s_per_cpu_s or machine.wall_s_per_cpu_s or 1.0
+    reports = [replace(r, wall_s_per_cpu_s=k, step_wall_s_per_cpu_s=[]) for r in traces.reports]
+    setup = replay_setup(target, machine, traces.activation_bytes, traces)
+    return replay(reports, setup, target.algorithm)
+
+
+def measured_step_s(run: RunLog) -> float:
+    """The run's median logged ``step_time_s`` over all its steps (report steps included)."""
+    return float(statistics.median(float(x) for x in run.steps["step_time_s"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldOutRow:
+    """One (source, target) pair: predicted against measured, step time and speedup."""
+
+    source: str
+    target: str
+    target_settings: TargetSettings
+    measured_source_s: float
+    measured_target_s: float
+    predicted_source_s: float
+    """The source's own settings replayed from its own CPU costs (no wall times)."""
+    predicted_target_s: float
+
+    @property
+    def step_error(self) -> float:
+        """predicted / measured - 1 for the target's median step."""
+        return self.predicted_target_s / self.measured_target_s - 1.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """Source step over target step: > 1 when the target runs faster."""
+        return self.measured_source_s / self.measured_target_s
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.predicted_source_s / self.predicted_target_s
+
+    @property
+    def speedup_error(self) -> float:
+        return self.predicted_speedup / self.measured_speedup - 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "target": self.target,
+            "stages": self.target_settings.num_stages,
+            "microbatches": self.target_settings.num_microbatches,
+            "algorithm": self.target_settings.algorithm,
+            "measured_source_s": self.measured_source_s,
+            "measured_target_s": self.measured_target_s,
+            "predicted_source_s": self.predicted_source_s,
+            "predicted_target_s": self.predicted_target_s,
+            "step_error": self.step_error,
+            "measured_speedup": self.measured_speedup,
+            "predicted_speedup": self.predicted_speedup,
+            "speedup_error": self.speedup_error,
+        }
+
+
+def predict_pair(
+    source: RunLog, target: RunLog, machine: MachineModel, names: tuple[str, str]
+) -> HeldOutRow:
+    """Predict ``target`` from ``source``'s load reports on ``machine``; read the target's
+    measured step only for the comparison column."""
+    check_same_job(source.config, target.config, names)
+    traces = traces_from_runlog(source)
+    settings = target_settings(target.config, names[1])
+    own = target_settings(source.config, names[0])
+    return HeldOutRow(
+        source=names[0],
+        target=names[1],
+        target_settings=settings,
+        measured_source_s=measured_step_s(source),
+        measured_target_s=measured_step_s(target),
+        predicted_source_s=predict(traces, own, machine).median_step_time_s,
+        predicted_target_s=predict(traces, settings, machine).median_step_time_s,
+    )
+
+
+def external_ratio(run: RunLog, machine: MachineModel) -> float:
+    """A run's median wall-per-CPU ratio of its layers over what its ranks sharing
+    ``machine.cores`` explain: the other processes' load while it ran (>= 1 per step)."""
+    traces = traces_from_runlog(run)
+    report_steps = traces.report_steps
+    measured = measured_wall_s_per_cpu_s(run, report_steps)
+    m = traces.num_microbatches
+    setup = ReplaySetup(
+        num_stages=traces.num_stages,
+        num_microbatches=m,
+        schedule=traces.schedule,
+        cores=machine.cores,
+    )
+    ratios: list[float] = []
+    for step, report, per_step in zip(report_steps, traces.reports, measured, strict=True):
+        if per_step is None:
+            continue
+        parts = run.parts_at(step)
+        forward = stage_times_s(report.forward_s, parts, m)
+        backward = stage_times_s(report.backward_s, parts, m)
+        own = sharing_ratio(forward, backward, m, setup) if _shared(machine, parts) else 1.0
+        ratios += [max(1.0, k / own) for k in per_step]
+    if not ratios:
+        raise ValueError("the run log has no stage times; HINT: calibrate on complete runs")
+    return float(statistics.median(ratios))
+
+
+def _shared(machine: MachineModel, parts: Sequence[int]) -> bool:
+    return machine.cores is not None and machine.cores < len(parts) - 1
+
+
+def fit_machine(
+    runs: Sequence[tuple[str, RunLog]], base: MachineModel, notes: dict[str, Any] | None = None
+) -> MachineModel:
+    """The machine calibration from ``runs`` (never the runs it will predict): ``base``'s
+    measured constants (optimizer per parameter, link, cores, wake-up), the per-step, per-action
+    and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.calibration.fit_overheads`)
+    and the median of their external load (:func:`external_ratio`)."""
+    if not runs:
+        raise ValueError("fit_machine needs at least one calibration run")
+    decomps = [decompose(run, name) for name, run in runs]
+    overheads = fit_overheads(decomps, base.overheads.optimizer_s_per_param)
+    external = statistics.median(external_ratio(run, base) for _, run in runs)
+    return replace(
+        base,
+        overheads=overheads,
+        wall_s_per_cpu_s=None,
+        external_wall_s_per_cpu_s=float(external),
+        notes={**(notes or {}), "fitted_on": [name for name, _ in runs]},
+    )
