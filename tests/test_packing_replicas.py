@@ -72,15 +72,26 @@ def test_sizes_keep_the_global_batch_and_release_whole_nodes():
         num_replicas=3,
         min_stages=2,
     )
-    assert smaller_sizes(3, 2, request, 8) == [(2, 2), (1, 2)]
+
+    def sizes(replicas, stages, request):
+        return smaller_sizes(
+            replicas,
+            stages,
+            num_microbatches=request.num_microbatches,
+            min_stages=request.min_stages,
+            ranks_per_node=request.ranks_per_node,
+            num_layers=8,
+        )
+
+    assert sizes(3, 2, request) == [(2, 2), (1, 2)]
     # 9 microbatches do not split over 2 replicas: 3 x 2 -> 1 x 2 only
     odd = PackRequest(**{**request.__dict__, "num_microbatches": 9})
-    assert smaller_sizes(3, 2, odd, 8) == [(1, 2)]
+    assert sizes(3, 2, odd) == [(1, 2)]
     # two ranks per node: 2 x 2 holds 2 nodes; 1 x 2 and 2 x 1 hold 1
     paired = PackRequest(**{**request.__dict__, "num_microbatches": 4, "ranks_per_node": 2})
-    assert smaller_sizes(2, 2, paired, 8) == [(1, 2)]
+    assert sizes(2, 2, paired) == [(1, 2)]
     loose = PackRequest(**{**paired.__dict__, "min_stages": 1})
-    assert smaller_sizes(2, 2, loose, 8) == [(2, 1), (1, 2), (1, 1)]
+    assert sizes(2, 2, loose) == [(2, 1), (1, 2), (1, 1)]
     with pytest.raises(ValueError, match="num_replicas=4 must be >= 1 and divide"):
         PackRequest(**{**request.__dict__, "num_replicas": 4}).check()
 
