@@ -199,3 +199,49 @@ def test_sbatch_job_whose_shrink_is_refused_completes_at_the_original_size(
     assert (refused["from_stages"], refused["to_stages"]) == (4, 2), refused
     assert "presently disabled" in refused["message"], refused
     assert (run_dir / "result.json").is_file()
+
+
+REPLICAS_JOB = str(ROOT / "jobs" / "elastic_replicas.yaml")
+
+
+def test_sbatch_job_with_two_replicas_packs_to_one_and_frees_two_nodes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """``jobs/elastic_replicas.yaml``: 2 replicas x 2 stages on 4 nodes pack to 1 x 2 with the
+    job's own policy (node_hours) and bound; the two freed nodes run another job while the
+    first trains on, and it ends COMPLETED on the same global batch.
+
+    The one override besides the placement and the run length: ``elastic.restart_overhead_s=2``.
+    A replica pack saves about one 2 x 2 step's time in node-seconds per step (a third more
+    tokens per node-hour, not the same speed on half the nodes), so the 65 steps this test can
+    afford repay a restart of a few seconds, not the start-up of four ranks on a loaded 2-core
+    host; the job file's own 200 steps are for that. The pays-off rule itself is tested in
+    tests/test_packing_replicas.py."""
+    name = unique("replicas-sbatch")
+    args = [*overrides(tmp_path, name), "elastic.restart_overhead_s=2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "dynmo_hpc", "sbatch", REPLICAS_JOB, "--submit", *as_args(args)],
+        env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = re.search(r"submitted job (\d+)", out.stdout)
+    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    job_id = int(found.group(1))
+    run_dir = tmp_path / name
+
+    def context() -> str:
+        return f"logs {run_dir}/{name}-{job_id}.out/.err"
+
+    try:
+        check_pack_on_the_cluster(slurm_cluster, job_id, run_dir, context)
+        assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context()
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    check_run_log(slurm_cluster, job_id, run_dir, context())
+    run = runlog.load(run_dir / "run.h5")
+    assert run.steps["num_ranks"].tolist()[0] == 4 and run.steps["num_ranks"].tolist()[-1] == 2
+    assert set(run.steps["num_stages"].tolist()) == {2}, context()
+    (resized,) = run.events[run.events["kind"] == "resize"]["detail"].tolist()
+    assert (resized["from_replicas"], resized["to_replicas"]) == (2, 1), resized
+    assert "replicas: 1" in (run_dir / "config.yaml").read_text()
+    acct = slurm_cluster.run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"])
+    assert "COMPLETED" in acct.stdout.split(), acct.stdout

@@ -163,10 +163,6 @@ def test_replicas_default_to_one_and_multiply_the_world() -> None:
             r"HINT: set train.num_microbatches to a multiple of 3 \(e.g. 3\)",
         ),
         (
-            ["pipeline.replicas=2", "elastic.enabled=true", "elastic.min_stages=1"],
-            r"pipeline.replicas=2 with elastic.enabled=true.*HINT: set elastic.enabled=false",
-        ),
-        (
             ["pipeline.replicas=2", "fault.inject_step=1", "fault.inject_rank=4"],
             r"fault.inject_rank=4 is not a rank of the job's 4 ranks.*HINT: pick 0..3",
         ),

@@ -1,5 +1,6 @@
-"""The packing decision: run the same model on fewer stages when that costs (almost) no
-throughput, and hand the freed nodes back.
+"""The packing decision: run the same model on fewer stages, or fewer data-parallel replicas,
+when that costs (almost) no throughput (or buys tokens per node-hour), and hand the freed nodes
+back.
 
 Why a model of step time and not just the bottleneck: with fewer stages the pipeline's
 fill-and-drain bubble shrinks, so a smaller pipeline can be as fast as a larger one whose
@@ -16,13 +17,28 @@ stages, are then the limit. The prediction for the partition in force is compare
 measured step time, and that ratio calibrates every prediction (``calibration``), so modelling
 error common to all stage counts cancels.
 
+With ``R`` replicas (``PackRequest.num_replicas``) the measured costs are one replica's, for its
+``M / R`` microbatches; times ``R`` they are the whole global batch on one pipeline, the unit
+every size is priced in. A size of ``R'`` replicas x ``P'`` stages then takes
+
+    step_s = (M / R' + P' - 1) * (max stage load / M + 2 * comm_s) + allreduce_s(R', P')
+
+(the core limit becomes ``total load / min(R' P', num_cpu_slots)``): each replica trains
+``M / R'`` microbatches, so fewer replicas mean more microbatches per pipeline (roughly
+``R / R'`` times the compute part) but a smaller share of fill-and-drain bubble and a smaller
+all-reduce. ``allreduce_s`` is the measured all-reduce now (the slowest rank's), scaled by the
+ring all-reduce's bytes per rank ``2 (R' - 1) / R'`` against ``2 (R - 1) / R`` (none at one
+replica) and, when the layers' state bytes are known, by the heaviest stage's bytes on the
+candidate's partition against the current one's (fewer stages: each rank reduces more layers).
+
 What a pack is compared with (so that it is credited only with what packing does):
 
 - ``rebalanced``: the best partition at the current stage count (``balance.optimal``). A
   rebalance could reach it without a restart, so a pack's gain and its saving are measured
   from it, never from the partition in force.
 - ``reference_tokens_per_s``: the bound's reference, the higher of the best predicted tokens/s
-  at the job's original stage count (``original_stages``) on the current costs and
+  at the job's original size (``original_replicas`` x ``original_stages``) on the current costs
+  and
   ``rebalanced``'s (and a floor the caller may give, ``PackRequest.reference_tokens_per_s``).
   It does not fall with the stage count, so repeated decisions on constant costs cannot walk
   down one stage at a time: the bound is always against the original size. It is predicted
@@ -33,14 +49,17 @@ What a pack is compared with (so that it is credited only with what packing does
   is its error across a change of size, so it divides every smaller candidate's predicted
   speed. Capped at 1 so that a lucky measurement never licenses a pack the model does not.
 
-Every smaller stage count is tried with its optimal partition under the memory capacity. A
-layer's memory is its fixed bytes (weights, gradients, optimizer state) plus its activation
+Every smaller size is tried with its optimal partition under the memory capacity: as many
+replicas or fewer (a count dividing ``M``, so that the global batch stays and the microbatches
+re-split) times as many stages or fewer, except the current size (:func:`smaller_sizes`). Fewer
+replicas at the same stage count keep the partition (its optimum does not depend on ``R'``).
+A layer's memory is its fixed bytes (weights, gradients, optimizer state) plus its activation
 bytes per microbatch times the microbatches in flight on stage 0 of the candidate (1F1B: stage
-``s`` of ``P`` holds at most ``P - s``, so ``min(M, P)``; GPipe: ``M``): safe wherever the layer
-lands. A candidate must
+``s`` of ``P`` holds at most ``P - s``, so ``min(M / R', P)``; GPipe: ``M / R'``): safe wherever
+the layer lands. A candidate must
 
-- release at least one whole node (``ranks_per_node`` ranks each; locally every rank is its
-  own "node", i.e. ``ranks_per_node = 1``), never part of one;
+- release at least one whole node (its ``R' x P'`` ranks at ``ranks_per_node`` ranks each;
+  locally every rank is its own "node", i.e. ``ranks_per_node = 1``), never part of one;
 - fit every stage in memory (``capacity_bytes`` per stage);
 - not go below ``min_stages``;
 - keep its predicted tokens/s (corrected) at least ``(1 - max_slowdown) x reference``, under
@@ -75,75 +94,37 @@ from typing import Any, Literal
 
 from dynmo_hpc.balance.common import CostsLike, check_parts, check_values, stage_loads
 from dynmo_hpc.balance.optimal import optimal
+from dynmo_hpc.balance.step_model import (
+    layer_memory_at,
+    microbatches_in_flight,
+    nodes_for,
+    predict_step_time_s,
+    ring_allreduce_factor,
+    smaller_sizes,
+)
+
+# Re-exported: the model's formulas lived here before balance/step_model.py.
+__all__ = [
+    "layer_memory_at",
+    "microbatches_in_flight",
+    "nodes_for",
+    "predict_step_time_s",
+    "ring_allreduce_factor",
+    "smaller_sizes",
+]
 
 PackPolicy = Literal["throughput", "node_hours"]
 PACK_POLICIES: tuple[str, ...] = ("throughput", "node_hours")
 
 
-def predict_step_time_s(
-    costs_s: CostsLike,
-    parts: Sequence[int],
-    num_microbatches: int,
-    *,
-    comm_s: float = 0.0,
-    num_cpu_slots: int | None = None,
-) -> float:
-    """Predicted seconds per step of ``parts`` (see the module docstring for the model).
-
-    Example: 4 layers of 1 s on 2 stages, 4 microbatches, no communication:
-    ``(4 + 2 - 1) * (2 / 4) == 2.5``.
-    """
-    values = check_values(costs_s)
-    checked = check_parts(parts, len(values))
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    num_stages = len(checked) - 1
-    slots = (M := num_microbatches) + num_stages - 1
-    per_microbatch_s = max(stage_loads(values, checked)) / M
-    if num_stages > 1:
-        per_microbatch_s += 2.0 * comm_s
-    step_s = slots * per_microbatch_s
-    if num_cpu_slots is not None:
-        step_s = max(step_s, sum(values) / min(num_stages, max(1, num_cpu_slots)))
-    return step_s
-
-
-def nodes_for(num_stages: int, ranks_per_node: int) -> int:
-    """Nodes a job of ``num_stages`` ranks holds at ``ranks_per_node`` ranks per node."""
-    return -(-num_stages // ranks_per_node)
-
-
-def microbatches_in_flight(num_stages: int, num_microbatches: int, schedule: str) -> int:
-    """The most microbatches whose activations one stage of ``num_stages`` holds at once.
-
-    GPipe runs every forward before any backward: ``M``. 1F1B lets stage ``s`` start at most
-    ``P - s`` forwards before its first backward, so the worst stage (0) holds ``min(M, P)``.
-    """
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_microbatches, num_stages)
-
-
-def layer_memory_at(
-    fixed_bytes: Sequence[float],
-    activation_bytes: Sequence[float] | None,
-    in_flight: int,
-) -> list[float]:
-    """Per layer: what it holds on any stage of a pipeline with ``in_flight`` microbatches in
-    flight on its worst stage: fixed bytes plus ``in_flight`` microbatches of activations."""
-    if activation_bytes is None:
-        return [float(b) for b in fixed_bytes]
-    return [
-        float(f) + in_flight * float(a) for f, a in zip(fixed_bytes, activation_bytes, strict=True)
-    ]
-
-
 @dataclass(frozen=True, kw_only=True)
 class PackCandidate:
-    """One stage count: its best partition and what it is predicted to do."""
+    """One size (replicas x stages): its best partition and what it is predicted to do."""
 
     num_stages: int
     num_nodes: int
+    num_replicas: int = 1
+    """Data-parallel replicas of the pipeline (all on ``parts``)."""
     parts: list[int] = field(default_factory=list)
     """Its optimal partition (empty when nothing fits in memory)."""
     fits_memory: bool
@@ -169,7 +150,8 @@ class PackPlan:
     chosen: PackCandidate
     """The candidate to pack onto (``current`` when ``pack`` is False)."""
     candidates: list[PackCandidate]
-    """Every smaller stage count that would release a node, best partition each."""
+    """Every smaller size (fewer replicas, fewer stages, or both) that would release a node,
+    best partition each."""
     calibration: float
     """Measured / predicted step time of the partition in force (1.0 when not measured)."""
     correction: float
@@ -190,6 +172,8 @@ class PackPlan:
             "policy": self.pack_policy,
             "from_stages": self.current.num_stages,
             "to_stages": self.chosen.num_stages,
+            "from_replicas": self.current.num_replicas,
+            "to_replicas": self.chosen.num_replicas,
             "from_nodes": self.current.num_nodes,
             "to_nodes": self.chosen.num_nodes,
             "from_parts": self.current.parts,
@@ -248,6 +232,13 @@ class PackRequest:
     """A floor for the reference (None: the original size's prediction alone)."""
     correction: float = 1.0
     """Measured / predicted tokens/s of the previous pack (``pack_result``); capped at 1."""
+    num_replicas: int = 1
+    """``pipeline.replicas`` now: the costs are one replica's (``num_microbatches /
+    num_replicas`` microbatches per step), combined over replicas by the load report."""
+    original_replicas: int | None = None
+    """The job's replica count before any pack (None: the current one)."""
+    allreduce_s: float = 0.0
+    """Measured seconds per step of the gradient all-reduce now (the slowest rank's)."""
 
     def check(self) -> None:
         """Raise ValueError on a setting no decision can use."""
@@ -273,42 +264,93 @@ class PackRequest:
             raise ValueError(f"reference_tokens_per_s={ref!r} must be finite and >= 0")
         if self.original_stages is not None and self.original_stages < 1:
             raise ValueError(f"original_stages={self.original_stages} must be >= 1")
+        self._check_replicas()
 
-    def stage_memory(self, num_layers: int, num_stages: int) -> list[float] | None:
-        """Per layer: bytes it holds on a pipeline of ``num_stages`` (None: not modelled)."""
+    def _check_replicas(self) -> None:
+        """Raise ValueError on a replica count or all-reduce time no decision can use."""
+        for name, value in (
+            ("num_replicas", self.num_replicas),
+            ("original_replicas", self.original_replicas or 1),
+        ):
+            if value < 1 or self.num_microbatches % value:
+                raise ValueError(
+                    f"{name}={value} must be >= 1 and divide num_microbatches="
+                    f"{self.num_microbatches}"
+                )
+        if not (math.isfinite(self.allreduce_s) and self.allreduce_s >= 0):
+            raise ValueError(f"allreduce_s={self.allreduce_s!r} must be finite and >= 0")
+
+    def stage_memory(
+        self, num_layers: int, num_stages: int, num_replicas: int = 1
+    ) -> list[float] | None:
+        """Per layer: bytes it holds on a pipeline of ``num_stages`` in each of
+        ``num_replicas`` replicas (each runs ``num_microbatches / num_replicas``), None when
+        memory is not modelled."""
         if self.memory_bytes is None and self.activation_bytes is None:
             return None
         fixed = check_values(self.memory_bytes) if self.memory_bytes is not None else None
         act = check_values(self.activation_bytes) if self.activation_bytes is not None else None
-        in_flight = microbatches_in_flight(num_stages, self.num_microbatches, self.schedule)
+        per_replica = self.num_microbatches // num_replicas
+        in_flight = microbatches_in_flight(num_stages, per_replica, self.schedule)
         return layer_memory_at(fixed or [0.0] * num_layers, act, in_flight)
 
 
 @dataclass(frozen=True)
 class _StepModel:
-    """The closed-form step model on ``values``, calibrated against the measured step."""
+    """The closed-form step model on ``values`` (per layer, the whole global batch on one
+    pipeline: one replica's measured costs times the replicas now), calibrated against the
+    measured step."""
 
     values: list[float]
     request: PackRequest
+    current_parts: list[int]
     calibration: float = 1.0
 
-    def predict_s(self, parts: list[int]) -> float:
-        """Uncalibrated seconds per step of ``parts``."""
+    def allreduce_s(self, parts: list[int], num_replicas: int) -> float:
+        """The measured all-reduce scaled to ``num_replicas`` (ring factor) and to the
+        heaviest stage's state bytes on ``parts`` (when the layers' bytes are known)."""
+        r = self.request
+        if num_replicas == 1 or r.num_replicas == 1 or r.allreduce_s == 0:
+            return 0.0
+        scale = ring_allreduce_factor(num_replicas) / ring_allreduce_factor(r.num_replicas)
+        if r.memory_bytes is not None:
+            fixed = check_values(r.memory_bytes)
+            now = max(stage_loads(fixed, self.current_parts))
+            if now > 0:
+                scale *= max(stage_loads(fixed, parts)) / now
+        return r.allreduce_s * scale
+
+    def predict_s(self, parts: list[int], num_replicas: int) -> float:
+        """Uncalibrated seconds per step of ``parts`` on ``num_replicas`` replicas."""
         r = self.request
         return predict_step_time_s(
-            self.values, parts, r.num_microbatches, comm_s=r.comm_s, num_cpu_slots=r.num_cpu_slots
+            self.values,
+            parts,
+            r.num_microbatches,
+            comm_s=r.comm_s,
+            num_cpu_slots=r.num_cpu_slots,
+            num_replicas=num_replicas,
+            allreduce_s=self.allreduce_s(parts, num_replicas),
         )
 
     def candidate(
-        self, num_stages: int, parts: list[int], fits: bool, correction: float = 1.0
+        self,
+        size: tuple[int, int],
+        parts: list[int],
+        fits: bool,
+        correction: float = 1.0,
     ) -> PackCandidate:
-        """``parts`` on ``num_stages`` as a candidate (infinitely slow if it does not fit);
-        ``correction`` divides its predicted speed (a smaller stage count's)."""
-        nodes = nodes_for(num_stages, self.request.ranks_per_node)
-        step_s = self.predict_s(parts) * self.calibration / correction if fits else math.inf
+        """``parts`` at ``size`` (replicas, stages) as a candidate (infinitely slow if it does
+        not fit); ``correction`` divides its predicted speed (a smaller size's)."""
+        num_replicas, num_stages = size
+        nodes = nodes_for(num_replicas * num_stages, self.request.ranks_per_node)
+        step_s = math.inf
+        if fits:
+            step_s = self.predict_s(parts, num_replicas) * self.calibration / correction
         tps = self.request.tokens_per_step / step_s if fits and step_s > 0 else 0.0
         return PackCandidate(
             num_stages=num_stages,
+            num_replicas=num_replicas,
             num_nodes=nodes,
             parts=parts if fits else [],
             fits_memory=fits,
@@ -317,40 +359,48 @@ class _StepModel:
             tokens_per_node_hour=tps * 3600.0 / nodes,
         )
 
-    def best(self, num_stages: int, correction: float = 1.0) -> PackCandidate | None:
-        """The optimal partition on ``num_stages`` under the memory capacity as a candidate, or
-        None when the model does not fit in memory on that many stages."""
+    def best(self, size: tuple[int, int], correction: float = 1.0) -> PackCandidate | None:
+        """The optimal partition at ``size`` (replicas, stages) under the memory capacity as a
+        candidate, or None when the model does not fit in memory on that many stages."""
         r = self.request
-        memory = r.stage_memory(len(self.values), num_stages)
+        num_replicas, num_stages = size
+        memory = r.stage_memory(len(self.values), num_stages, num_replicas)
         try:
             parts = optimal(self.values, num_stages, memory=memory, capacity=r.capacity_bytes)
         except ValueError:
             return None
-        return self.candidate(num_stages, parts, True, correction)
+        return self.candidate(size, parts, True, correction)
 
 
 def _calibrated_model(values: list[float], parts: list[int], request: PackRequest) -> _StepModel:
     """The step model, scaled so that it predicts the measured step of ``parts`` exactly."""
-    model = _StepModel(values, request)
-    model_now_s = model.predict_s(parts)
+    whole_batch = [v * request.num_replicas for v in values]
+    model = _StepModel(whole_batch, request, parts)
+    model_now_s = model.predict_s(parts, request.num_replicas)
     measured = request.measured_step_s
     if measured is not None and measured > 0 and model_now_s > 0:
-        return _StepModel(values, request, measured / model_now_s)
+        return _StepModel(whole_batch, request, parts, measured / model_now_s)
     return model
 
 
 def _smaller_candidates(
     model: _StepModel, current_parts: list[int], current: PackCandidate, correction: float
 ) -> list[PackCandidate]:
-    """Every smaller stage count down to ``min_stages`` that releases a node, with its optimal
+    """Every smaller size that releases a node (:func:`smaller_sizes`), with its optimal
     partition under the memory capacity (one that fits nowhere is kept, marked not fitting)."""
-    r = model.request
     out = []
-    for n in range(current.num_stages - 1, max(r.min_stages, 1) - 1, -1):
-        if nodes_for(n, r.ranks_per_node) >= current.num_nodes or n > len(model.values):
-            continue
-        best = model.best(n, correction)
-        out.append(best if best is not None else model.candidate(n, list(current_parts), False))
+    r = model.request
+    sizes = smaller_sizes(
+        current.num_replicas,
+        current.num_stages,
+        num_microbatches=r.num_microbatches,
+        min_stages=r.min_stages,
+        ranks_per_node=r.ranks_per_node,
+        num_layers=len(model.values),
+    )
+    for size in sizes:
+        best = model.best(size, correction)
+        out.append(best if best is not None else model.candidate(size, list(current_parts), False))
     return out
 
 
@@ -358,12 +408,23 @@ def _reference_tokens_per_s(model: _StepModel, rebalanced: PackCandidate) -> flo
     """The bound's reference: the best of the original size now, the caller's floor and the
     rebalanced current size (see the module docstring)."""
     r = model.request
-    original = r.original_stages or rebalanced.num_stages
+    original = (
+        r.original_replicas or rebalanced.num_replicas,
+        r.original_stages or rebalanced.num_stages,
+    )
+    now = (rebalanced.num_replicas, rebalanced.num_stages)
     at_original = rebalanced.tokens_per_s
-    if rebalanced.num_stages < original <= len(model.values):
+    if original != now and original[1] <= len(model.values):
         best = model.best(original)
         at_original = best.tokens_per_s if best is not None else 0.0
     return max(at_original, rebalanced.tokens_per_s, r.reference_tokens_per_s or 0.0)
+
+
+def size_label(candidate: PackCandidate) -> str:
+    """``"3 stages"`` for one replica, ``"2 replicas x 2 stages"`` otherwise (reasons)."""
+    if candidate.num_replicas == 1:
+        return f"{candidate.num_stages} stages"
+    return f"{candidate.num_replicas} replicas x {candidate.num_stages} stages"
 
 
 @dataclass(frozen=True)
@@ -385,8 +446,8 @@ def _within_bound(
         return good, ""
     fastest = max(fitting, key=lambda c: c.tokens_per_s)
     return [], (
-        f"keep {rebalanced.num_stages} stages: the best smaller one ({fastest.num_stages} "
-        f"stages, {fastest.tokens_per_s:.4g} tokens/s) is below (1 - {request.max_slowdown:g})"
+        f"keep {size_label(rebalanced)}: the best smaller one ({size_label(fastest)}, "
+        f"{fastest.tokens_per_s:.4g} tokens/s) is below (1 - {request.max_slowdown:g})"
         f" x reference {reference:.4g} tokens/s (rebalanced now: "
         f"{rebalanced.tokens_per_s:.4g})"
     )
@@ -398,11 +459,12 @@ def _by_throughput(
     """The fewest nodes among ``good`` (all within the bound); the fastest of those."""
     fewest = min(c.num_nodes for c in good)
     chosen = max(
-        (c for c in good if c.num_nodes == fewest), key=lambda c: (c.tokens_per_s, c.num_stages)
+        (c for c in good if c.num_nodes == fewest),
+        key=lambda c: (c.tokens_per_s, c.num_stages, c.num_replicas),
     )
     return _Choice(
         chosen,
-        f"pack {rebalanced.num_stages} -> {chosen.num_stages} stages ({rebalanced.num_nodes} "
+        f"pack {size_label(rebalanced)} -> {size_label(chosen)} ({rebalanced.num_nodes} "
         f"-> {chosen.num_nodes} nodes): predicted {chosen.tokens_per_s:.4g} tokens/s >= "
         f"(1 - {ms:g}) x reference {reference:.4g} (rebalanced now: "
         f"{rebalanced.tokens_per_s:.4g})",
@@ -411,18 +473,18 @@ def _by_throughput(
 
 def _by_node_hours(rebalanced: PackCandidate, good: list[PackCandidate]) -> _Choice:
     """The best tokens per node-hour among ``good``, if better than the rebalanced now."""
-    num_stages = rebalanced.num_stages
-    top = max(good, key=lambda c: (c.tokens_per_node_hour, -c.num_stages))
+    now = size_label(rebalanced)
+    top = max(good, key=lambda c: (c.tokens_per_node_hour, -c.num_stages, -c.num_replicas))
     if top.tokens_per_node_hour <= rebalanced.tokens_per_node_hour:
         return _Choice(
             rebalanced,
-            f"keep {num_stages} stages: {rebalanced.tokens_per_node_hour:.4g} tokens/node-hour "
-            f"rebalanced is the top (next {top.num_stages} stages: "
+            f"keep {now}: {rebalanced.tokens_per_node_hour:.4g} tokens/node-hour "
+            f"rebalanced is the top (next {size_label(top)}: "
             f"{top.tokens_per_node_hour:.4g})",
         )
     return _Choice(
         top,
-        f"pack {num_stages} -> {top.num_stages} stages: {top.tokens_per_node_hour:.4g} > "
+        f"pack {now} -> {size_label(top)}: {top.tokens_per_node_hour:.4g} > "
         f"{rebalanced.tokens_per_node_hour:.4g} tokens per node-hour (rebalanced), within the "
         "slowdown bound",
     )
@@ -438,8 +500,8 @@ def _choose(
     (``rebalanced`` when none does)."""
     fitting = [c for c in candidates if c.fits_memory]
     if not fitting:
-        why = "no smaller stage count releases a node" if not candidates else "none fits memory"
-        return _Choice(rebalanced, f"keep {rebalanced.num_stages} stages: {why}")
+        why = "no smaller size releases a node" if not candidates else "none fits memory"
+        return _Choice(rebalanced, f"keep {size_label(rebalanced)}: {why}")
     good, why = _within_bound(rebalanced, fitting, request, reference)
     if not good:
         return _Choice(rebalanced, why)
@@ -476,7 +538,7 @@ def _pays(
     pack = moved and saving_s > overhead_s
     if moved and not pack:
         reason = (
-            f"keep {current.num_stages} stages: packing to {chosen.num_stages} would save "
+            f"keep {size_label(current)}: packing to {size_label(chosen)} would save "
             f"{saving_s:.4g} node-s over {steps_left} steps (against the rebalanced partition)"
             f" <= restart overhead {overhead_s:.4g} node-s"
         )
@@ -502,9 +564,11 @@ def _pays(
 
 
 def plan_pack(costs_s: CostsLike, parts: Sequence[int], request: PackRequest) -> PackPlan:
-    """Whether to pack ``parts`` onto fewer stages (see the module docstring).
+    """Whether to pack ``parts`` onto fewer replicas or fewer stages (see the module
+    docstring).
 
-    ``costs_s``: smoothed seconds per layer per step; ``parts``: the partition in force;
+    ``costs_s``: smoothed seconds per layer per step of one replica (the load report's
+    combination over replicas); ``parts``: the partition in force;
     ``request``: the step's shape, the allocation, the pack policy, the measurements and what
     earlier decisions carried (original size, reference, correction).
 
@@ -518,9 +582,9 @@ def plan_pack(costs_s: CostsLike, parts: Sequence[int], request: PackRequest) ->
     current_parts = check_parts(parts, len(values))
     request.check()
     model = _calibrated_model(values, current_parts, request)
-    num_stages = len(current_parts) - 1
-    current = model.candidate(num_stages, current_parts, True)
-    best_now = model.best(num_stages)
+    size_now = (request.num_replicas, len(current_parts) - 1)
+    current = model.candidate(size_now, current_parts, True)
+    best_now = model.best(size_now)
     rebalanced = current
     if best_now is not None and best_now.step_time_s < current.step_time_s:
         rebalanced = best_now

@@ -101,7 +101,7 @@ class JobConfig:
                 )
 
     def _validate_replicas(self) -> None:
-        """Replicas split each step's microbatches evenly, and do not pack (yet)."""
+        """Replicas split each step's microbatches evenly."""
         replicas = self.pipeline.replicas
         num_microbatches = self.train.num_microbatches
         if num_microbatches % replicas:
@@ -111,12 +111,6 @@ class JobConfig:
                 f"pipeline.replicas({replicas}): the replicas split each step's microbatches; "
                 f"HINT: set train.num_microbatches to a multiple of {replicas} "
                 f"(e.g. {max(replicas, lower)})"
-            )
-        if replicas > 1 and self.elastic.enabled:
-            raise ConfigError(
-                f"pipeline.replicas={replicas} with elastic.enabled=true: packing a job with "
-                "replicas is not supported; HINT: set elastic.enabled=false, or "
-                "pipeline.replicas=1"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ pack is a restart onto fewer ranks:
 
 1. rank 0 decides to pack and broadcasts it (:mod:`dynmo_hpc.pipeline.trainer`);
 2. every rank writes the checkpoint;
-3. rank 0 writes ``resize_request.json`` (the new stage count and partition, the checkpoint)
+3. rank 0 writes ``resize_request.json`` (the new replica and stage counts, the partition,
+   the checkpoint)
    and the step exits 0 without a ``result.json``: the status that asks for a resize;
 4. the manager (:func:`~dynmo_hpc.launch.supervisor.supervise`, the process outside the step)
    takes the request and asks its backend to shrink: locally nothing to do, under SLURM
@@ -58,9 +59,23 @@ def take_phases(run_dir: Path) -> dict[str, Any] | None:
     return _take(run_dir / RESIZE_PHASES)
 
 
-def resized_config(cfg: JobConfig, num_stages: int, parts: list[int]) -> JobConfig:
-    """The job on ``num_stages`` stages with the planned partition (everything else as it was)."""
-    pipeline = dataclasses.replace(cfg.pipeline, num_stages=num_stages, partition=list(parts))
+def size_change(from_replicas: int, from_stages: int, to_replicas: int, to_stages: int) -> str:
+    """``"4 -> 2 stages"`` for one pipeline, ``"2 x 2 -> 1 x 2 (replicas x stages)"`` when
+    either side has replicas (logs and the report)."""
+    if from_replicas == 1 and to_replicas == 1:
+        return f"{from_stages} -> {to_stages} stages"
+    return f"{from_replicas} x {from_stages} -> {to_replicas} x {to_stages} (replicas x stages)"
+
+
+def resized_config(
+    cfg: JobConfig, num_stages: int, parts: list[int], num_replicas: int | None = None
+) -> JobConfig:
+    """The job on ``num_stages`` stages with the planned partition, in ``num_replicas``
+    replicas (None: as many as now); everything else as it was (the global batch too)."""
+    replicas = cfg.pipeline.replicas if num_replicas is None else num_replicas
+    pipeline = dataclasses.replace(
+        cfg.pipeline, num_stages=num_stages, partition=list(parts), replicas=replicas
+    )
     return dataclasses.replace(cfg, pipeline=pipeline)
 
 

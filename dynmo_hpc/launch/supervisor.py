@@ -41,6 +41,7 @@ from dynmo_hpc.handoff.resize import (
     RESIZE_PHASES,
     ShrinkRefused,
     resized_config,
+    size_change,
     take_request,
     unshrunk_config,
 )
@@ -261,14 +262,14 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
     exited_unix_s = time.time()
     step_exit_s = max(0.0, exited_unix_s - float(request["requested_unix_s"]))
     new_stages, parts = int(request["num_stages"]), [int(b) for b in request["parts"]]
+    new_replicas = int(request.get("num_replicas") or cfg.pipeline.replicas)
     log.warning(
-        "resize: %d -> %d stages after step %d (checkpoint %s)",
-        cfg.pipeline.num_stages,
-        new_stages,
+        "resize: %s after step %d (checkpoint %s)",
+        size_change(cfg.pipeline.replicas, cfg.pipeline.num_stages, new_replicas, new_stages),
         request["step"],
         request["checkpoint"],
     )
-    smaller = resized_config(cfg, new_stages, parts)
+    smaller = resized_config(cfg, new_stages, parts, new_replicas)
     try:
         shrink_s = shrink(smaller)
     except ShrinkRefused as exc:
@@ -276,6 +277,8 @@ def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfi
     phases = {
         "from_stages": cfg.pipeline.num_stages,
         "to_stages": new_stages,
+        "from_replicas": cfg.pipeline.replicas,
+        "to_replicas": new_replicas,
         "step": request["step"],
         "checkpoint": request["checkpoint"],
         "checkpoint_s": request.get("checkpoint_s"),

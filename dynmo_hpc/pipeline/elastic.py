@@ -147,25 +147,32 @@ class PackHistory:
     """The job's stage count before any pack."""
     correction: float = 1.0
     """Measured / predicted tokens/s of the last pack (``pack_result``), capped at 1."""
+    original_replicas: int = 1
+    """The job's replica count before any pack."""
 
     def to_state(self) -> dict[str, Any]:
         return {
             "original_stages": self.original_stages,
+            "original_replicas": self.original_replicas,
             "correction": self.correction,
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any] | None, num_stages: int) -> PackHistory:
-        """From a checkpoint's ``pack`` entry; a fresh history at ``num_stages`` when it has none
-        (a new run, or a checkpoint written before the entry existed)."""
+    def from_state(
+        cls, state: dict[str, Any] | None, num_stages: int, num_replicas: int = 1
+    ) -> PackHistory:
+        """From a checkpoint's ``pack`` entry; a fresh history at ``num_replicas`` x
+        ``num_stages`` when it has none (a new run, or a checkpoint written before the entry
+        existed)."""
         if not isinstance(state, dict):
-            return cls(num_stages)
+            return cls(num_stages, original_replicas=num_replicas)
         correction = state.get("correction")
         return cls(
             int(state.get("original_stages") or num_stages),
             float(correction)
             if isinstance(correction, int | float) and 0 < correction <= 1
             else 1.0,
+            int(state.get("original_replicas") or num_replicas),
         )
 
     def learn(self, result: dict[str, Any] | None) -> None:
@@ -188,10 +195,14 @@ def decide_pack(
     overhead_s: float,
     measured_step_s: float | None,
     history: PackHistory,
+    allreduce_s: float = 0.0,
 ) -> PackPlan:
-    """The packing decision for this report (rank 0)."""
+    """The packing decision for this report (rank 0); ``allreduce_s``: the measured gradient
+    all-reduce per step (the slowest rank's), which fewer replicas shrink or remove."""
     el = cfg.elastic
-    memory = layer_memory(report, parts, cfg.train.num_microbatches, cfg.pipeline.schedule)
+    replicas = cfg.pipeline.replicas
+    per_replica = cfg.train.num_microbatches // replicas
+    memory = layer_memory(report, parts, per_replica, cfg.pipeline.schedule)
     request = PackRequest(
         num_microbatches=cfg.train.num_microbatches,
         tokens_per_step=float(cfg.tokens_per_step),
@@ -210,6 +221,9 @@ def decide_pack(
         measured_step_s=measured_step_s,
         original_stages=history.original_stages,
         correction=history.correction,
+        num_replicas=replicas,
+        original_replicas=history.original_replicas,
+        allreduce_s=allreduce_s,
     )
     return plan_pack(list(costs_s), list(parts), request)
 
@@ -234,11 +248,12 @@ class PackController:
         """The previous resize's measured total (from the manager's phases), once there is one."""
         self.predicted_tokens_per_s: float | None = None
         """What the pack that started this launch predicted; checked at the first report."""
-        self.history = PackHistory(cfg.pipeline.num_stages)
+        self.history = PackHistory(cfg.pipeline.num_stages, original_replicas=cfg.pipeline.replicas)
 
     def restore(self, state: dict[str, Any] | None) -> None:
         """Take the history a checkpoint's run state carried (its ``pack`` entry)."""
-        self.history = PackHistory.from_state(state, self.cfg.pipeline.num_stages)
+        pipeline = self.cfg.pipeline
+        self.history = PackHistory.from_state(state, pipeline.num_stages, pipeline.replicas)
 
     def run_state(self) -> dict[str, Any]:
         """The ``pack`` entry of a checkpoint's run state."""
@@ -252,14 +267,17 @@ class PackController:
         *,
         bandwidth_bytes_per_s: float,
         measured_step_s: float | None,
+        allreduce_s: float = 0.0,
     ) -> PackPlan | None:
-        """The packing decision at this report, or None when none is due."""
+        """The packing decision at this report, or None when none is due (nothing smaller to
+        go to: one replica at ``elastic.min_stages``)."""
         el = self.cfg.elastic
         if not el.enabled:
             return None
         self.num_reports += 1
         steps_left = self.cfg.train.steps - (report.step + 1)
-        if self.num_reports % el.interval or steps_left <= 0 or len(parts) - 1 <= el.min_stages:
+        at_floor = len(parts) - 1 <= el.min_stages and self.cfg.pipeline.replicas == 1
+        if self.num_reports % el.interval or steps_left <= 0 or at_floor:
             return None
         overhead_s = restart_overhead_s(
             self.cfg,
@@ -280,6 +298,7 @@ class PackController:
             overhead_s=overhead_s,
             measured_step_s=measured_step_s,
             history=self.history,
+            allreduce_s=allreduce_s,
         )
 
 
@@ -303,6 +322,8 @@ def resize_event(
     return {
         "from_stages": phases["from_stages"],
         "to_stages": phases["to_stages"],
+        "from_replicas": phases.get("from_replicas", 1),
+        "to_replicas": phases.get("to_replicas", 1),
         "from_nodes": request.get("from_nodes"),
         "to_nodes": request.get("to_nodes", num_nodes),
         "hosts": num_nodes,

@@ -89,6 +89,8 @@ class LoadReporter:
         self.pack_target: dict[str, Any] | None = None
         """Set on every rank when rank 0 decided to pack: the stage count and partition."""
         self.pipeline_step_s: deque[float] = deque(maxlen=cfg.balance.interval)
+        self.allreduce_s: deque[float] = deque(maxlen=cfg.balance.interval)
+        """Rank 0: each recent step's gradient all-reduce (its slowest rank's), for packing."""
         """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer
         and gather without the load report or migration: the steady pace the packer's model
         predicts (a migration is a one-off, and its time is in the logged step time)."""
@@ -187,6 +189,7 @@ class LoadReporter:
             self.parts,
             bandwidth_bytes_per_s=self.state.bandwidth_bytes_per_s,
             measured_step_s=float(np.median(recent)) if recent else None,
+            allreduce_s=float(np.median(self.allreduce_s)) if self.allreduce_s else 0.0,
         )
         if plan is None:
             return None

@@ -37,7 +37,7 @@ from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
-from dynmo_hpc.handoff.resize import take_phases, write_request
+from dynmo_hpc.handoff.resize import size_change, take_phases, write_request
 from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
@@ -318,6 +318,7 @@ class Trainer:
                 {
                     **target,
                     "num_stages": target["to_stages"],
+                    "num_replicas": target["to_replicas"],
                     "parts": target["parts"],
                     "step": step + 1,
                     "checkpoint": str(directory),
@@ -326,9 +327,13 @@ class Trainer:
                 },
             )
             log.warning(
-                "packing %d -> %d stages after step %d: checkpoint %s, ending this MPI step",
-                self.cfg.pipeline.num_stages,
-                target["to_stages"],
+                "packing %s after step %d: checkpoint %s, ending this MPI step",
+                size_change(
+                    self.cfg.pipeline.replicas,
+                    self.cfg.pipeline.num_stages,
+                    target["to_replicas"],
+                    target["to_stages"],
+                ),
                 step + 1,
                 directory,
             )
@@ -362,6 +367,8 @@ class Trainer:
         mine = (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, cpu_s)
         gathered = self.comm.gather((*mine, allreduce_s), root=0)
         self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
+        if self.rank == 0:
+            self.reporter.allreduce_s.append(max(g[5] for g in gathered))
         reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
         if reported:
             self.reporter.report(step)

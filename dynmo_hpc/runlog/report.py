@@ -171,8 +171,14 @@ def _resizes(run: RunLog, steps: pd.DataFrame) -> list[str]:
         d = event["detail"]
         after = results[results["step"] > event["step"]]
         measured = after["detail"].iloc[0]["measured_tokens_per_s"] if len(after) else None
+        size = f"{d['from_stages']} -> {d['to_stages']} stages"
+        if d.get("from_replicas", 1) != 1 or d.get("to_replicas", 1) != 1:
+            size = (
+                f"{d['from_replicas']} x {d['from_stages']} -> {d['to_replicas']} x "
+                f"{d['to_stages']} (replicas x stages)"
+            )
         lines.append(
-            f"  after step {event['step'] + 1}: {d['from_stages']} -> {d['to_stages']} stages, "
+            f"  after step {event['step'] + 1}: {size}, "
             f"{d.get('from_nodes')} -> {d.get('to_nodes')} nodes, {d['total_s']:.2f} s "
             f"(checkpoint {d['checkpoint_s']:.2f}, step exit {d['step_exit_s']:.2f}, shrink "
             f"{d['shrink_s']:.2f}, relaunch {d['relaunch_s']:.2f}, restore {d['restore_s']:.2f})"
