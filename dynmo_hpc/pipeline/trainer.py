@@ -326,17 +326,11 @@ class Trainer:
                     "requested_unix_s": time.time(),
                 },
             )
-            log.warning(
-                "packing %s after step %d: checkpoint %s, ending this MPI step",
-                size_change(
-                    self.cfg.pipeline.replicas,
-                    self.cfg.pipeline.num_stages,
-                    target["to_replicas"],
-                    target["to_stages"],
-                ),
-                step + 1,
-                directory,
+            pipe = self.cfg.pipeline
+            change = size_change(
+                pipe.replicas, pipe.num_stages, target["to_replicas"], target["to_stages"]
             )
+            log.warning("packing %s after step %d: checkpoint %s", change, step + 1, directory)
 
     # ------------------------------------------------------------------ the loop
     def step(self, step: int) -> StepStats:
