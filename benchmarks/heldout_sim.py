@@ -19,9 +19,10 @@ What it does, in order:
         --write-machine dynmo_hpc/sim/machines/cpu_2core.json --json-out /tmp/heldout.json \\
         --markdown-out /tmp/heldout.md
 
-(writing the shipped calibration, so the hidden case runs with simulate's default). The 20 runs
-took 6-55 s each on the development machine (about 4 minutes in all with the load average near
-1); analysis alone, with all runs present, a few seconds.
+(writing the shipped calibration, so the hidden case runs with simulate's default). The 18
+earlier runs took 6-55 s each on the development machine (about 4 minutes with the load average
+near 1); the two 40-step elastic runs of the packing pair about a minute each under load.
+Analysis alone, with all runs present, a few seconds.
 """
 
 from __future__ import annotations
