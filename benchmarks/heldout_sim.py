@@ -19,9 +19,10 @@ What it does, in order:
         --write-machine dynmo_hpc/sim/machines/cpu_2core.json --json-out /tmp/heldout.json \\
         --markdown-out /tmp/heldout.md
 
-(writing the shipped calibration, so the hidden case runs with simulate's default). The 18 runs
-took 6-55 s each on the development machine (about 4 minutes in all with the load average near
-1); analysis alone, with all runs present, a few seconds.
+(writing the shipped calibration, so the hidden case runs with simulate's default). The 18
+earlier runs took 6-55 s each on the development machine (about 4 minutes with the load average
+near 1); the two 40-step elastic runs of the packing pair about a minute each under load.
+Analysis alone, with all runs present, a few seconds.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ SMALL_BATCH = ("train.micro_batch_size=2",)
 """The default job's batch of 8 makes a step several times longer than the others' here."""
 SHORT = ("train.steady_state_step=null",)
 """The scheme jobs' bench steady state lies past these runs' 20 steps."""
+NO_PACKING = ("elastic.enabled=false",)
+"""jobs/elastic.yaml as a plain 4-stage run: the source of the packing pair. Both of its runs
+have 40 steps: with 20, the 15 left after the first decision do not repay the restart and the
+job keeps its 4 stages."""
 
 CALIBRATION: tuple[Run, ...] = (
     Run("cal_default_p2_m4", "default", 2, 4, extra=SMALL_BATCH, steps=12, interval=4),
@@ -111,6 +116,8 @@ HELD_OUT: tuple[Run, ...] = (
     Run("freezing_p3_m8", "freezing", 3, 8, extra=SHORT),
     Run("default_p2_m8", "default", 2, 8, extra=SMALL_BATCH),
     Run("default_p3_m8", "default", 3, 8, extra=SMALL_BATCH),
+    Run("elastic_p4_m8", "elastic", 4, 8, extra=NO_PACKING, steps=40),
+    Run("elastic_p4_m8_packing", "elastic", 4, 8, "optimal", steps=40),
 )
 
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -125,8 +132,11 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("pruning_p2_m8", "pruning_p3_m8"),
     ("freezing_p2_m8", "freezing_p3_m8"),
     ("default_p2_m8", "default_p3_m8"),
+    # a run that never packs -> the same job packing 4 -> 2 stages (compared after the pack)
+    ("elastic_p4_m8", "elastic_p4_m8_packing"),
 )
-"""(source X, target Y): Y predicted from X's load reports under Y's settings."""
+"""(source X, target Y): Y predicted from X's load reports under Y's settings. A packing target
+is compared on its steps after its first pack (:func:`dynmo_hpc.sim.heldout.after_pack_s`)."""
 
 HIDDEN = "imbalanced_p3_m6"
 """The issue's hidden case: jobs/imbalanced.yaml, 3 stages, 6 microbatches, static."""

@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from dynmo_hpc.cli import main
 from dynmo_hpc.runlog import load
 from dynmo_hpc.sim.heldout import (
+    after_pack_s,
     check_same_job,
     external_ratio,
     fit_machine,
@@ -72,6 +74,37 @@ def test_target_settings_maps_static_to_uniform_and_refuses_a_baseline() -> None
     config["balance"]["algorithm"] = "parameters"
     with pytest.raises(ValueError, match="no replayed equivalent; HINT"):
         target_settings(config, "y")
+
+
+def test_an_elastic_target_is_replayed_as_packing_with_its_own_elastic_settings() -> None:
+    config = {
+        "pipeline": {"num_stages": 4, "schedule": "1f1b"},
+        "train": {"num_microbatches": 8, "steps": 40},
+        "balance": {"algorithm": "optimal", "interval": 5, "margin": 0.1, "smoothing": 0.5},
+        "elastic": {"enabled": True, "interval": 1, "min_stages": 2, "max_slowdown": 0.05},
+    }
+    settings = target_settings(config)
+    assert settings.algorithm == "packing"
+    assert (settings.packing.interval, settings.packing.min_stages) == (1, 2)
+    config["elastic"]["enabled"] = False
+    assert target_settings(config).algorithm == "optimal"
+
+
+def _packed_log(resize_step: int | None) -> object:
+    """The two tables :func:`after_pack_s` reads: 10 steps of 2 s, then 1 s after step 4."""
+    import pandas as pd
+
+    steps = pd.DataFrame({"step": range(10), "step_time_s": [2.0] * 5 + [1.0] * 5})
+    kinds = [] if resize_step is None else [("resize", resize_step)]
+    events = pd.DataFrame({"kind": [k for k, _ in kinds], "step": [s for _, s in kinds]})
+    return SimpleNamespace(steps=steps, events=events, path=Path("run.h5"))
+
+
+def test_after_pack_is_the_median_after_the_first_resize() -> None:
+    assert after_pack_s(_packed_log(4)) == (4, 1.0)  # type: ignore[arg-type]
+    assert after_pack_s(_packed_log(None)) is None  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packed at its last step; HINT"):
+        after_pack_s(_packed_log(9))  # type: ignore[arg-type]
 
 
 def test_machine_file_external_load_round_trips_and_unknown_keys() -> None:
@@ -268,10 +301,18 @@ def test_heldout_script_keeps_calibration_and_held_out_apart(tmp_path: Path) -> 
     pairs = script.PAIRS  # type: ignore[attr-defined]
     assert len(pairs) >= 8 and len(set(pairs)) == len(pairs)
     assert not calibration & set(held_out)
+    no_packing = set(script.NO_PACKING)  # type: ignore[attr-defined]
+    packing = []
     for x, y in pairs:
         assert x in held_out and y in held_out and x != y
-        assert held_out[x].job == held_out[y].job and held_out[x].extra == held_out[y].extra
-    assert {held_out[y].num_stages for _, y in pairs} == {2, 3}
+        assert held_out[x].job == held_out[y].job
+        assert set(held_out[x].extra) - no_packing == set(held_out[y].extra) - no_packing
+        source, target = (script.run_config(held_out[r], tmp_path) for r in (x, y))  # type: ignore[attr-defined]
+        assert not source.elastic.enabled  # a source never packs: its costs are its stages'
+        if target.elastic.enabled:
+            packing.append(y)
+    assert packing, "a pair predicts a packing run"
+    assert {held_out[y].num_stages for _, y in pairs} >= {2, 3}
     assert {held_out[y].algorithm for _, y in pairs} >= {"static", "optimal", "diffusion"}
     hidden = script.run_config(held_out[script.HIDDEN], tmp_path)  # type: ignore[attr-defined]
     assert hidden.model.layer_d_ff is not None  # jobs/imbalanced.yaml

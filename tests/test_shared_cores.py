@@ -14,7 +14,7 @@ import pytest
 from dynmo_hpc.cli import main
 from dynmo_hpc.sim.machine import MachineModel, load_machine, save_machine
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, external_wall_s_per_cpu_s, replay
-from dynmo_hpc.sim.shared_cores import shared_rate, shared_tail_s
+from dynmo_hpc.sim.shared_cores import home_cores, placed_rates, shared_rate, shared_tail_s
 from dynmo_hpc.sim.step import simulate_step
 from dynmo_hpc.sim.wakeup import noticed_s
 
@@ -182,3 +182,52 @@ def test_machine_file_poll_and_replay_use_it(tmp_path: Path) -> None:
     assert replay([report], setup, "uniform").step_times_s == [pytest.approx(4.2)] * 5
     with pytest.raises(ValueError, match="poll_max_s"):
         simulate_step([1], [1], 1, poll_max_s=-1.0)
+
+
+def test_home_cores_even_out_the_loads_heaviest_first() -> None:
+    """0.06, 0.13, 0.20 on 2 cores: the heaviest alone, the two light ones together (the
+    placement of the run that showed it: jobs/imbalanced.yaml on 3 stages)."""
+    assert home_cores(np.array([0.06, 0.13, 0.20]), 2).tolist() == [1, 1, 0]  # type: ignore[union-attr]
+    assert home_cores(np.array([1.0, 1.0, 1.0, 1.0]), 2).tolist() == [0, 1, 0, 1]  # type: ignore[union-attr]
+    assert home_cores(np.array([1.0, 2.0]), 1.5) is None  # a fractional share: pooled
+
+
+def test_placed_rates_share_a_core_and_give_idle_cores_away() -> None:
+    home = np.array([1, 1, 0])
+    all_run = np.array([True, True, True])
+    assert placed_rates(all_run, home, 2).tolist() == [0.5, 0.5, 1.0]
+    # the heaviest stage waits: its core is pulled over, the light ones get a core each
+    assert placed_rates(np.array([True, True, False]), home, 2).tolist() == [1.0, 1.0, 0.0]
+    four = np.array([0, 0, 0, 1])  # three on core 0, core 1's stage waits: 2/3 each
+    rates = placed_rates(np.array([True, True, True, False]), four, 2)
+    assert rates.tolist() == pytest.approx([2 / 3, 2 / 3, 2 / 3, 0.0])
+    assert placed_rates(all_run, None, 2).tolist() == pytest.approx([2 / 3] * 3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_placed_rates_never_idle_a_core_that_a_stage_could_use(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        p = int(rng.integers(2, 7))
+        cores = int(rng.integers(1, p + 1))
+        home = home_cores(rng.uniform(0.1, 1.0, p), cores)
+        running = rng.random(p) < 0.6
+        rates = placed_rates(running, home, cores)
+        assert float(rates.sum()) == pytest.approx(min(int(running.sum()), cores))
+        assert np.all(rates[running] > 0) and np.all(rates <= 1.0 + 1e-12)
+        assert np.all(rates[~running] == 0)
+
+
+def test_the_heaviest_of_three_stages_keeps_a_core_to_itself() -> None:
+    """jobs/imbalanced.yaml on 3 stages, 2 cores (CPU seconds per microbatch from its run log):
+    measured, the heaviest stage ran at the machine's external-load factor (its own core) and
+    the light ones up to 1.5x; pooled cores (each of 3 busy stages at 2/3 of a core) made the
+    heaviest 1.07x and the lightest 1.21x. Placed, the heaviest computes exactly its CPU time
+    and the two light stages, sharing a core, are slower than pooled."""
+    m = 6
+    fwd = np.array([0.061, 0.125, 0.200]) / m / 3
+    bwd = 2 * fwd
+    result = simulate_step(fwd, bwd, m, "1f1b", cores=2)
+    wall_per_cpu = np.array(result.busy_s) / (m * (fwd + bwd))
+    assert wall_per_cpu[2] == pytest.approx(1.0)
+    assert wall_per_cpu[0] > 1.3 and wall_per_cpu[1] > 1.15

@@ -16,7 +16,14 @@ the very run it predicts. The honest test of the simulator is to predict a run i
   (``external_wall_s_per_cpu_s``), all fitted on *calibration runs* that are neither X nor Y
   (:func:`fit_machine`).
 
-Y's measured wall times are read only by :func:`measured_step_s`, to be compared against.
+A target run that packed (``elastic.enabled``: replayed as ``packing``) is compared after its
+first pack: the measured median over the steps after its ``resize`` event against the replay's
+median over the steps after the replay's own first pack (:func:`after_pack_s`); the two must
+land on the same stage count. The source is a run that never packs, so its layer costs are those
+of the stages it ran on, re-partitioned by the replay.
+
+Y's measured wall times are read only by :func:`measured_step_s` and :func:`after_pack_s`, to be
+compared against.
 The invariant the tests check: changing the target's measured times changes the measured
 column and nothing in the prediction.
 """
@@ -25,16 +32,24 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.calibration import decompose, fit_overheads, replayed_algorithm
 from dynmo_hpc.sim.machine import MachineModel
-from dynmo_hpc.sim.replay import ReplayResult, ReplaySetup, replay, sharing_ratio
+from dynmo_hpc.sim.replay import (
+    PACKING,
+    PackingSetup,
+    ReplayResult,
+    ReplaySetup,
+    replay,
+    sharing_ratio,
+)
 from dynmo_hpc.sim.runlog_traces import (
     RunTraces,
     measured_wall_s_per_cpu_s,
+    packing_setup,
     traces_from_runlog,
 )
 from dynmo_hpc.sim.step import stage_times_s, transfer_time_s
@@ -60,12 +75,18 @@ class TargetSettings:
     num_steps: int
     margin: float
     smoothing: float
+    packing: PackingSetup = field(default_factory=PackingSetup)
+    """The target's ``elastic`` settings (``packing`` only; restart overhead: the config's, else
+    the default, never the target's measured resizes)."""
 
 
 def target_settings(config: dict[str, Any], name: str = "target") -> TargetSettings:
     """A run's settings from its config (a run log's ``config``); ValueError names the run."""
     pipeline, train, balance = config["pipeline"], config["train"], config["balance"]
     algorithm = replayed_algorithm(str(balance["algorithm"]))
+    elastic = config.get("elastic")
+    if algorithm is not None and isinstance(elastic, dict) and elastic.get("enabled"):
+        algorithm = PACKING  # the trainer's default balancer between packs, as the replay's
     if algorithm is None:
         raise ValueError(
             f"{name}: balance.algorithm={balance['algorithm']!r} has no replayed equivalent; "
@@ -80,6 +101,7 @@ def target_settings(config: dict[str, Any], name: str = "target") -> TargetSetti
         num_steps=int(train["steps"]),
         margin=float(balance["margin"]),
         smoothing=float(balance["smoothing"]),
+        packing=packing_setup(elastic, []),
     )
 
 
@@ -121,7 +143,7 @@ def replay_setup(
         overheads=machine.overheads,
         cores=machine.cores,
         poll_max_s=machine.poll_max_s or 0.0,
-        packing=traces.packing,
+        packing=target.packing,
         ratios_are_external=machine.external_wall_s_per_cpu_s is not None,
     )
 
@@ -189,6 +211,32 @@ class HeldOutRow:
         }
 
 
+def after_pack_s(run: RunLog) -> tuple[int, float] | None:
+    """A run that packed: the step of its first ``resize`` event (the last step on the old
+    stages) and its median logged step time over the steps after it; None if it never packed."""
+    resizes = run.events[run.events["kind"] == "resize"]
+    if resizes.empty:
+        return None
+    step = int(resizes["step"].min())
+    after = run.steps[run.steps["step"] > step]["step_time_s"]
+    if after.empty:
+        raise ValueError(f"{run.path} packed at its last step; HINT: run more steps after the pack")
+    return step, float(statistics.median(float(x) for x in after))
+
+
+def _predicted_after_pack_s(result: ReplayResult, target: RunLog, name: str) -> float:
+    """The replay's median step after its first pack, which must reach the stage count the
+    target packed to (its last load report's partition)."""
+    packed_to = len(target.parts_at(target.report_steps()[-1])) - 1
+    if not result.pack_steps or len(result.final_parts) - 1 != packed_to:
+        raise ValueError(
+            f"{name} packed to {packed_to} stages, the prediction to "
+            f"{len(result.final_parts) - 1}; HINT: the source's layer costs do not lead to "
+            "the target's packing decision (compare their load reports)"
+        )
+    return float(statistics.median(result.step_times_s[result.pack_steps[0] + 1 :]))
+
+
 def predict_pair(
     source: RunLog, target: RunLog, machine: MachineModel, names: tuple[str, str]
 ) -> HeldOutRow:
@@ -198,14 +246,20 @@ def predict_pair(
     traces = traces_from_runlog(source)
     settings = target_settings(target.config, names[1])
     own = target_settings(source.config, names[0])
+    predicted = predict(traces, settings, machine)
+    packed = after_pack_s(target) if settings.algorithm == PACKING else None
+    measured_target_s, predicted_target_s = measured_step_s(target), predicted.median_step_time_s
+    if packed is not None:
+        measured_target_s = packed[1]
+        predicted_target_s = _predicted_after_pack_s(predicted, target, names[1])
     return HeldOutRow(
         source=names[0],
         target=names[1],
         target_settings=settings,
         measured_source_s=measured_step_s(source),
-        measured_target_s=measured_step_s(target),
+        measured_target_s=measured_target_s,
         predicted_source_s=predict(traces, own, machine).median_step_time_s,
-        predicted_target_s=predict(traces, settings, machine).median_step_time_s,
+        predicted_target_s=predicted_target_s,
     )
 
 

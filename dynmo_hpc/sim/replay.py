@@ -196,6 +196,8 @@ class ReplayResult:
     """Seconds spent migrating, over the whole run."""
     packs: int = 0
     """Resizes onto fewer stages (``packing`` only)."""
+    pack_steps: list[int] = field(default_factory=list)
+    """The (0-based) report step of each pack, the last step on the old stages."""
     node_s: float = 0.0
     """Node-seconds held: each step's seconds x the nodes its stages occupy."""
     final_parts: list[int] = field(default_factory=list)
@@ -300,6 +302,7 @@ class _Timeline:
     migrations: int = 0
     migration_s: float = 0.0
     packs: int = 0
+    pack_steps: list[int] = field(default_factory=list)
     node_s: float = 0.0
 
     @property
@@ -318,6 +321,7 @@ class _Timeline:
             migrations=self.migrations,
             migration_s=self.migration_s,
             packs=self.packs,
+            pack_steps=list(self.pack_steps),
             node_s=self.node_s,
             final_parts=list(self.parts),
         )
@@ -389,6 +393,7 @@ def _pack(
         return False
     timeline.parts = pack
     timeline.packs += 1
+    timeline.pack_steps.append(len(timeline.step_times_s) - 1)
     timeline.charge_report_step(setup.packing.restart_overhead_s)
     return True
 
