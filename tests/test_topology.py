@@ -302,6 +302,15 @@ def test_the_reducer_starts_buckets_during_the_backward_on_one_rank() -> None:
     assert all(torch.equal(p.grad, torch.ones_like(p)) for m in layers for p in m.parameters())
 
 
+def test_the_bucket_size_must_be_positive() -> None:
+    from dynmo_hpc.config.sections import PipelineSection
+
+    PipelineSection(grad_bucket_mb=0.5).validate()
+    for bad in (0.0, -1.0, float("nan"), 1e6):
+        with pytest.raises(ConfigError, match=r"pipeline\.grad_bucket_mb"):
+            PipelineSection(grad_bucket_mb=bad).validate()
+
+
 def test_the_replica_count_may_change_on_resume() -> None:
     from dynmo_hpc.config.resume_rules import KeyRule, classify
 

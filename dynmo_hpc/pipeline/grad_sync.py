@@ -234,14 +234,6 @@ def log_overlap(writer: Any, step: int, gathered: Sequence[Sequence[float]]) -> 
     writer.log_event(step=step, kind=OVERLAP_EVENT, detail=overlap_detail(gathered))
 
 
-def all_reduce_grads(
-    comm: MPI.Comm, slots: Sequence[LayerSlot], bucket_bytes: int = BUCKET_BYTES
-) -> float:
-    """Sum this stage's gradients over ``comm`` after the backward, nothing overlapped;
-    collective over it. Returns the seconds it took (0 with one replica: nothing to do)."""
-    return GradReducer(comm, slots, bucket_bytes).finish().exposed_s
-
-
 def layers_digest(slots: Sequence[LayerSlot]) -> str:
     """A digest of the stage's weights and optimizer moments, in layer order."""
     h = hashlib.blake2b(digest_size=16)
