@@ -3,11 +3,12 @@
 Trains ``jobs/replicas.yaml`` (2 replicas x 2 stages, 4 local ranks; ``--set`` overrides on top)
 for ``--steps`` steps, ``--repeats`` times, balancing statically so no migration perturbs the
 step times. From each run log it reads, per step after the first (warm-up), ``step_time_s`` (the
-``steps`` table) and each rank's ``allreduce_s`` (the ``stage_times`` table: the seconds the
-trainer measured around :func:`dynmo_hpc.pipeline.grad_sync.all_reduce_grads`, including the
-wait for the slower replica), and reports the median over steps of the slowest rank's
-all-reduce seconds, of the step time, and of their ratio per step; the median and range over
-repeats of that share. Not a timed test: it prints figures, it asserts nothing about them.
+``steps`` table) and each rank's ``allreduce_s`` (the ``stage_times`` table: the exposed
+all-reduce, the seconds :meth:`dynmo_hpc.pipeline.grad_sync.GradReducer.finish` takes after the
+schedule, the part the last backward did not hide, including the wait for the slower replica),
+and reports the median over steps of the slowest rank's all-reduce seconds, of the step time,
+and of their ratio per step; the median and range over repeats of that share. Not a timed test:
+it prints figures, it asserts nothing about them.
 A markdown table goes to stdout, progress to stderr, the same figures as JSON to ``--out FILE``.
 
     .venv/bin/python benchmarks/bench_allreduce.py --repeats 3 --steps 20

@@ -35,11 +35,19 @@ def _final_layers(cfg, step):
 
 def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(tmp_path):
     """R=2 x P=2 with one microbatch per replica: bitwise R=1 x P=2 and the reference; a run
-    that migrates at every report (each replica over its own pipeline) is bitwise the same."""
+    that migrates at every report (each replica over its own pipeline) is bitwise the same.
+    The static run has one bucket per layer: each starts its all-reduce during the last
+    backward (the run log's overlap event says so), and the bits do not change."""
     common = ["pipeline.num_stages=2", "train.num_microbatches=2", "train.steps=6"]
     common += ["checkpoint.at_end=true", "balance.interval=2"]
     single = tiny_config(tmp_path / "r1", *common, "job.name=r1")
-    static = tiny_config(tmp_path / "r2", *common, "pipeline.replicas=2", "job.name=r2")
+    static = tiny_config(
+        tmp_path / "r2",
+        *common,
+        "pipeline.replicas=2",
+        "pipeline.grad_bucket_mb=1e-6",  # every bucket one layer
+        "job.name=r2",
+    )
     moving = tiny_config(
         tmp_path / "r2m",
         *common,
@@ -71,6 +79,15 @@ def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(tmp_path):
         (1, 1),
     ]
     assert len(st) == 6 * 4 and (st["allreduce_s"] > 0).all()
+
+    overlap = load(static.run_dir / "run.h5").events
+    overlap = overlap[overlap["kind"] == "allreduce_overlap"]
+    assert overlap["step"].tolist() == [1, 3, 5]  # the load reports
+    for detail in overlap["detail"]:
+        # 3 layers per stage (parts [0, 3, 6]), all started during the last backward
+        assert detail["buckets"] == [3, 3, 3, 3]
+        assert detail["buckets_started_in_backward"] == [3, 3, 3, 3]
+        assert all(t >= e for t, e in zip(detail["total_s"], detail["exposed_s"], strict=True))
 
     # Every layer written once (replica 0), and the same bits whichever run wrote it.
     for a, b, c in zip(

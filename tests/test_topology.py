@@ -233,11 +233,10 @@ def test_gradients_round_trip_through_the_buckets_and_missing_ones_become_zeros(
     for gets zeros here, one nobody has keeps None."""
     from types import SimpleNamespace
 
-    import numpy as np
     import torch
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.grad_sync import _bucket_grads, _reduce_buckets
+    from dynmo_hpc.pipeline.grad_sync import GradReducer, _pack, _unpack
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)]
@@ -246,16 +245,70 @@ def test_gradients_round_trip_through_the_buckets_and_missing_ones_become_zeros(
             p.grad = torch.randn_like(p)
     slots = [SimpleNamespace(index=i, module=m) for i, m in enumerate(layers)]
     want = [[p.grad.clone() for p in m.parameters()] for m in layers[:2]]
-    # layer 2: its weight has a gradient on another replica, its bias on none
-    has_grad = np.array([1, 1, 1, 1, 1, 0], dtype=np.uint8)
-    grads = _bucket_grads(slots, has_grad)
-    assert [len(g) for g in grads] == [2, 2, 1]
-    _reduce_buckets(MPI.COMM_SELF, grads, bucket_bytes=40)  # several buckets
+    reducer = GradReducer(MPI.COMM_SELF, slots, bucket_bytes=40)  # several buckets
+    reducer.active = True  # COMM_SELF: run the real path, a sum over one rank
+    sync = reducer.finish()
+    assert sync.num_buckets == 3 and sync.started_in_backward == 0
     for layer, expected in zip(layers[:2], want, strict=True):
         for p, g in zip(layer.parameters(), expected, strict=True):
             assert torch.equal(p.grad, g)
+    assert layers[2].weight.grad is None and layers[2].bias.grad is None  # none anywhere
+    # layer 2: its weight has a gradient on another replica (the MAX says so), its bias on none
+    bucket = _pack(list(layers[2].parameters()))
+    assert bucket.has_grad.tolist() == [0, 0]
+    bucket.has_grad[0] = 1
+    _unpack(bucket)
     assert torch.equal(layers[2].weight.grad, torch.zeros_like(layers[2].weight))
     assert layers[2].bias.grad is None
+
+
+def test_buckets_start_as_the_last_backward_finalises_their_layers() -> None:
+    """The backward runs positions last to first; a bucket is ready once all its layers are."""
+    from dynmo_hpc.pipeline.grad_sync import ready_buckets
+
+    buckets = plan_buckets([10, 10, 30, 5], 20)  # [[0, 1], [2], [3]]
+    final: set[int] = set()
+    ready_after = []
+    for pos in (3, 2, 1, 0):
+        final.add(pos)
+        ready_after.append(ready_buckets(buckets, final))
+    assert ready_after == [[2], [1, 2], [1, 2], [0, 1, 2]]
+    # one bucket holding everything starts only after the first layer: no overlap
+    assert ready_buckets([[0, 1, 2]], {1, 2}) == []
+
+
+def test_the_reducer_starts_buckets_during_the_backward_on_one_rank() -> None:
+    """Driving ``layer_final`` as the last backward does starts each bucket once, in the same
+    order on every replica; ``finish`` starts the rest (layers the backward never reached)."""
+    from types import SimpleNamespace
+
+    import torch
+    from mpi4py import MPI
+
+    from dynmo_hpc.pipeline.grad_sync import GradReducer
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(4)]
+    for layer in layers:
+        for p in layer.parameters():
+            p.grad = torch.ones_like(p)
+    slots = [SimpleNamespace(index=i, module=m) for i, m in enumerate(layers)]
+    reducer = GradReducer(MPI.COMM_SELF, slots, bucket_bytes=24)  # one layer (24 B) per bucket
+    reducer.active = True
+    for pos in (3, 2):  # the backward stops above layer 2 (no_grad_below)
+        reducer.layer_final(pos)
+    assert sorted(reducer.posted) == [2, 3]
+    sync = reducer.finish()
+    assert (sync.num_buckets, sync.started_in_backward) == (4, 2)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for m in layers for p in m.parameters())
+
+
+def test_the_bucket_size_must_be_positive() -> None:
+    from dynmo_hpc.config.sections import PipelineSection
+
+    PipelineSection(grad_bucket_mb=0.5).validate()
+    for bad in (0.0, -1.0, float("nan"), 1e6):
+        with pytest.raises(ConfigError, match=r"pipeline\.grad_bucket_mb"):
+            PipelineSection(grad_bucket_mb=bad).validate()
 
 
 def test_the_replica_count_may_change_on_resume() -> None:

@@ -26,7 +26,8 @@ every size is priced in. A size of ``R'`` replicas x ``P'`` stages then takes
 (the core limit becomes ``total load / min(R' P', num_cpu_slots)``): each replica trains
 ``M / R'`` microbatches, so fewer replicas mean more microbatches per pipeline (roughly
 ``R / R'`` times the compute part) but a smaller share of fill-and-drain bubble and a smaller
-all-reduce. ``allreduce_s`` is the measured all-reduce now (the slowest rank's), scaled by the
+all-reduce. ``allreduce_s`` is the measured exposed all-reduce now (the slowest rank's: the part
+not overlapped with the backward, what the step pays), scaled by the
 ring all-reduce's bytes per rank ``2 (R' - 1) / R'`` against ``2 (R - 1) / R`` (none at one
 replica) and, when the layers' state bytes are known, by the heaviest stage's bytes on the
 candidate's partition against the current one's (fewer stages: each rank reduces more layers).
@@ -238,7 +239,7 @@ class PackRequest:
     original_replicas: int | None = None
     """The job's replica count before any pack (None: the current one)."""
     allreduce_s: float = 0.0
-    """Measured seconds per step of the gradient all-reduce now (the slowest rank's)."""
+    """Measured seconds per step of the exposed gradient all-reduce now (the slowest rank's)."""
 
     def check(self) -> None:
         """Raise ValueError on a setting no decision can use."""

@@ -251,6 +251,10 @@ class PipelineSection:
     ``replicas * num_stages`` ranks, and the replicas split each step's microbatches."""
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Microbatch schedule."""
+    grad_bucket_mb: float = 25.0
+    """Largest flat buffer (MiB, whole layers) one gradient all-reduce between replicas
+    carries; smaller buckets start earlier in the backward (more overlap), more of them cost
+    more calls."""
     partition: list[int] | None = None
     """Initial boundaries over num_blocks + 2 layers (parts[0]=0 .. parts[P]=N); null = uniform."""
 
@@ -262,6 +266,12 @@ class PipelineSection:
                 f"pipeline.replicas={self.replicas} must be >= 1; HINT: 1 runs one pipeline"
             )
         at_most("pipeline.replicas", self.replicas, MAX_BATCH, "a typo? try 2")
+        if not self.grad_bucket_mb > 0:
+            raise ConfigError(
+                f"pipeline.grad_bucket_mb={self.grad_bucket_mb} must be > 0; HINT: 25 is the "
+                "default"
+            )
+        at_most("pipeline.grad_bucket_mb", self.grad_bucket_mb, 4096.0, "a typo? try 25")
 
     @property
     def world_size(self) -> int:

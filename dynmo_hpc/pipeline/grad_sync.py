@@ -11,14 +11,30 @@ does not depend on their order). Otherwise only the association differs
 of each gradient entry (docs/data_parallel.md states the bound the tests hold).
 
 Buckets: a stage's layers in global order, whole layers per bucket, each bucket one flat buffer
-of at most ``bucket_bytes`` (a layer larger than that is a bucket of its own), all buckets'
-non-blocking all-reduces posted at once and waited on together without spinning
-(:func:`~dynmo_hpc.pipeline.comm.wait_quietly`). The all-reduce runs after the schedule, not
-overlapped with the backward.
+(per dtype) of at most ``bucket_bytes`` of its trainable parameters (a layer larger than that is
+a bucket of its own), planned before the step from the parameter sizes.
+
+Overlap with the backward (:class:`GradReducer`): a layer's gradient is final once its backward
+of the stage's *last* microbatch has run (the runner cuts autograd at every layer boundary, so
+no later backward touches it), and that backward runs the stage's layers from last to first. So
+the stage calls :meth:`GradReducer.layer_final` after each layer of that microbatch, and a
+bucket whose layers are all final starts its non-blocking all-reduce at once, while the earlier
+layers' backward still runs; the buckets of the layers the backward does not reach (below
+``no_grad_below``) start after the schedule. Every copy of a stage has the same layers, the same
+buckets and the same schedule, so all replicas start the same buckets in the same order (the
+order MPI's non-blocking collectives must be called in). Without an asynchronous progress thread
+an MPI library advances a non-blocking collective only inside MPI calls, so ``layer_final``
+also tests the requests (``MPI.Request.Testall``) between layers. :meth:`GradReducer.finish`,
+after the schedule, starts what is left and waits without spinning
+(:func:`~dynmo_hpc.pipeline.comm.wait_quietly`); the seconds it takes are the all-reduce time
+the backward did not hide (``allreduce_s`` in the run log). The sums are those of an all-reduce
+after the schedule: same buffers, same elementwise sum.
 
 A parameter without a gradient on one replica (an MoE expert no token of its microbatches
 chose) but with one on another gets zeros on the first before the sum; a parameter without a
-gradient on every replica keeps none, so the optimizer skips it exactly as R = 1 would.
+gradient on every replica keeps none, so the optimizer skips it exactly as R = 1 would. Which
+parameters have a gradient somewhere travels with each bucket (a MAX all-reduce of a byte per
+parameter, started with the bucket's sum): a bucket needs no agreement before it starts.
 """
 
 from __future__ import annotations
@@ -26,7 +42,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,63 +75,163 @@ def plan_buckets(layer_bytes: Sequence[int], bucket_bytes: int = BUCKET_BYTES) -
     return buckets
 
 
+def ready_buckets(buckets: Sequence[Sequence[int]], final: set[int]) -> list[int]:
+    """The buckets (indices into ``buckets``) whose layers' gradients are all final; pure.
+
+    Example: the backward runs positions 3, 2, 1, 0; after position 2,
+    ``ready_buckets([[0, 1], [2, 3]], {3, 2}) == [1]``.
+    """
+    return [b for b, bucket in enumerate(buckets) if all(pos in final for pos in bucket)]
+
+
 def _trainable(slot: LayerSlot) -> list[torch.nn.Parameter]:
     return [p for p in slot.module.parameters() if p.requires_grad]
 
 
-def _bucket_grads(slots: Sequence[LayerSlot], has_grad: np.ndarray) -> list[list[torch.Tensor]]:
-    """Per layer: the gradients to reduce (zeros where this replica has none but another has)."""
-    grads: list[list[torch.Tensor]] = []
-    flat_index = 0
-    for slot in slots:
-        layer: list[torch.Tensor] = []
-        for p in _trainable(slot):
-            if has_grad[flat_index]:
+@dataclass
+class _Bucket:
+    """One bucket in flight: its parameters, which of them have a gradient on this replica
+    (MAX-reduced in place to "on some replica"), one flat buffer per dtype, the requests."""
+
+    params: list[torch.nn.Parameter]
+    has_grad: np.ndarray
+    flats: list[tuple[list[int], torch.Tensor]]
+    requests: list[MPI.Request] = field(default_factory=list)
+
+
+def _pack(params: list[torch.nn.Parameter]) -> _Bucket:
+    """Copy the gradients into flat buffers, zeros where this replica has none."""
+    has_grad = np.array([p.grad is not None for p in params], dtype=np.uint8)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault(p.dtype, []).append(i)
+    flats = []
+    for positions in by_dtype.values():
+        parts = []
+        for i in positions:
+            g = params[i].grad
+            parts.append((torch.zeros_like(params[i]) if g is None else g.detach()).reshape(-1))
+        flats.append((positions, torch.cat(parts).cpu()))
+    return _Bucket(params, has_grad, flats)
+
+
+def _unpack(bucket: _Bucket) -> None:
+    """Write the sums back: a parameter with a gradient on some replica gets the sum (into a
+    new zero gradient where it had none here); one with none anywhere keeps None."""
+    for positions, flat in bucket.flats:
+        offset = 0
+        for i in positions:
+            p = bucket.params[i]
+            if bucket.has_grad[i]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                layer.append(p.grad)
-            flat_index += 1
-        grads.append(layer)
-    return grads
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
-def _reduce_buckets(comm: MPI.Comm, grads: list[list[torch.Tensor]], bucket_bytes: int) -> None:
-    """All-reduce (SUM) the gradients bucket by bucket, all buckets in flight at once."""
-    sizes = [sum(g.numel() * g.element_size() for g in layer) for layer in grads]
-    pending = []
-    for bucket in plan_buckets(sizes, bucket_bytes):
-        tensors = [g for pos in bucket for g in grads[pos]]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in tensors:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            flat = torch.cat([g.detach().reshape(-1) for g in group]).cpu()
-            pending.append((comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM), flat, group))
-    wait_quietly([request for request, _, _ in pending])
-    for _, flat, group in pending:
-        offset = 0
-        for g in group:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+@dataclass(frozen=True)
+class SyncStats:
+    """One step's gradient all-reduce on one rank."""
+
+    exposed_s: float = 0.0
+    """Seconds after the schedule until every bucket's sum was back (what the backward did not
+    hide): starting the buckets left, waiting, copying back."""
+    total_s: float = 0.0
+    """Seconds from the first bucket's start to the end of :meth:`GradReducer.finish`."""
+    num_buckets: int = 0
+    started_in_backward: int = 0
+    """Buckets whose all-reduce started during the last microbatch's backward."""
+
+    def row(self) -> tuple[float, float, int, int]:
+        """What the trainer gathers: (exposed_s, total_s, started_in_backward, num_buckets)."""
+        return (self.exposed_s, self.total_s, self.started_in_backward, self.num_buckets)
 
 
-def all_reduce_grads(
-    comm: MPI.Comm, slots: Sequence[LayerSlot], bucket_bytes: int = BUCKET_BYTES
-) -> float:
-    """Sum this stage's gradients over ``comm`` (the data communicator); collective over it.
+class GradReducer:
+    """One step's bucketed all-reduce (SUM) of a stage's gradients over ``comm`` (the data
+    communicator), started bucket by bucket as the last backward finalises them; collective
+    over ``comm``. Use: pass :meth:`layer_final` to the stage's runner, then :meth:`finish`."""
 
-    Every replica holds the same layers in the same order (one partition), so the buffers line
-    up. Returns the seconds it took (0 with one replica: nothing to do).
-    """
-    if comm.size == 1:
-        return 0.0
-    t0 = time.perf_counter()
-    has_grad = np.array(
-        [p.grad is not None for slot in slots for p in _trainable(slot)], dtype=np.uint8
-    )
-    comm.Allreduce(MPI.IN_PLACE, has_grad, op=MPI.MAX)
-    _reduce_buckets(comm, _bucket_grads(slots, has_grad), bucket_bytes)
-    return time.perf_counter() - t0
+    def __init__(
+        self, comm: MPI.Comm, slots: Sequence[LayerSlot], bucket_bytes: int = BUCKET_BYTES
+    ) -> None:
+        self.comm = comm
+        self.params = [_trainable(slot) for slot in slots]
+        sizes = [sum(p.numel() * p.element_size() for p in layer) for layer in self.params]
+        self.buckets = plan_buckets(sizes, bucket_bytes)
+        self.final: set[int] = set()
+        self.posted: dict[int, _Bucket] = {}
+        self.started_in_backward = 0
+        self.first_start_s: float | None = None
+        self.active = comm.size > 1
+        """With one replica there is nothing to sum: every call returns at once."""
+
+    def _start(self, b: int) -> None:
+        bucket = _pack([p for pos in self.buckets[b] for p in self.params[pos]])
+        bucket.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, bucket.has_grad, op=MPI.MAX))
+        for _, flat in bucket.flats:
+            bucket.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM))
+        self.posted[b] = bucket
+        if self.first_start_s is None:
+            self.first_start_s = time.perf_counter()
+
+    def _requests(self) -> list[MPI.Request]:
+        return [r for bucket in self.posted.values() for r in bucket.requests]
+
+    def layer_final(self, pos: int) -> None:
+        """Layer ``pos`` (position in the stage's slots) has its final gradient: start every
+        bucket that became complete, then drive the ones in flight (a test, never a wait)."""
+        if not self.active:
+            return
+        self.final.add(pos)
+        for b in ready_buckets(self.buckets, self.final):
+            if b not in self.posted:
+                self._start(b)
+                self.started_in_backward += 1
+        requests = self._requests()
+        if requests:
+            MPI.Request.Testall(requests)
+
+    def finish(self) -> SyncStats:
+        """Start the buckets not yet started, wait for all without spinning, write the sums
+        back into ``.grad``."""
+        if not self.active:
+            return SyncStats()
+        t0 = time.perf_counter()
+        for b in range(len(self.buckets)):
+            if b not in self.posted:
+                self._start(b)
+        wait_quietly(self._requests())
+        for bucket in self.posted.values():
+            _unpack(bucket)
+        end_s = time.perf_counter()
+        return SyncStats(
+            exposed_s=end_s - t0,
+            total_s=end_s - (t0 if self.first_start_s is None else self.first_start_s),
+            num_buckets=len(self.buckets),
+            started_in_backward=self.started_in_backward,
+        )
+
+
+OVERLAP_EVENT = "allreduce_overlap"
+"""Run-log event kind, at each load report with replicas: :func:`overlap_detail`'s detail."""
+
+
+def overlap_detail(gathered: Sequence[Sequence[float]]) -> dict[str, list[float]]:
+    """The run-log detail of one step's all-reduce overlap, per world rank; ``gathered``: per
+    rank, the trainer's row whose entries 5..8 are :meth:`SyncStats.row`."""
+    return {
+        "exposed_s": [float(g[5]) for g in gathered],
+        "total_s": [float(g[6]) for g in gathered],
+        "buckets_started_in_backward": [int(g[7]) for g in gathered],
+        "buckets": [int(g[8]) for g in gathered],
+    }
+
+
+def log_overlap(writer: Any, step: int, gathered: Sequence[Sequence[float]]) -> None:
+    """Rank 0, at a load report with replicas: the step's :data:`OVERLAP_EVENT` in the run log
+    (``writer``: its :class:`~dynmo_hpc.runlog.writer.RunLogWriter`)."""
+    writer.log_event(step=step, kind=OVERLAP_EVENT, detail=overlap_detail(gathered))
 
 
 def layers_digest(slots: Sequence[LayerSlot]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -232,8 +233,18 @@ class PipelineStage:
         self.link.send_forward(mb, self.spec, x)
         return saved
 
-    def backward_microbatch(self, mb: int, saved: SavedMicrobatch, stats: StepStats) -> None:
+    def backward_microbatch(
+        self,
+        mb: int,
+        saved: SavedMicrobatch,
+        stats: StepStats,
+        on_layer_final: Callable[[int], None] | None = None,
+    ) -> None:
+        """Backward of microbatch ``mb``, layer by layer from the last; ``on_layer_final(pos)``
+        runs after each layer's backward when ``mb`` is the stage's last (its gradients are
+        final: the gradient all-reduce starts there), its seconds not counted as compute."""
         grads = None
+        hook_s = 0.0
         if self.parts[self.stage + 1] > self.no_grad_below:
             grads = self.link.recv_backward(mb, self.grad_spec)
         t0 = time.perf_counter()
@@ -264,6 +275,10 @@ class PipelineStage:
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
             slot.backward_timer.stop()
+            if on_layer_final is not None:
+                t_hook = time.perf_counter()
+                on_layer_final(pos)
+                hook_s += time.perf_counter() - t_hook
             grads = None
             if x_in is not None:
                 grads = {
@@ -271,23 +286,34 @@ class PipelineStage:
                     for k, v in x_in.items()
                     if v.is_floating_point()
                 }
-        stats.compute_s += time.perf_counter() - t0
+        stats.compute_s += time.perf_counter() - t0 - hook_s
         if self.parts[self.stage] > self.no_grad_below and self.stage > 0:
             assert grads is not None, f"stage {self.stage} owes its input gradient"
             self.link.send_backward(mb, self.grad_spec, grads)
         self.link.reap_sends()
 
-    def run_schedule(self, step: int, actions: list[Action]) -> StepStats:
-        """Execute one step's forward/backward actions; gradients accumulate in ``.grad``."""
+    def run_schedule(
+        self,
+        step: int,
+        actions: list[Action],
+        on_layer_final: Callable[[int], None] | None = None,
+    ) -> StepStats:
+        """Execute one step's forward/backward actions; gradients accumulate in ``.grad``.
+        ``on_layer_final``: called with a layer's position during the last backward action
+        (:meth:`backward_microbatch`), the gradient all-reduce's start."""
         stats = StepStats()
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
         self.link.idle_s = 0.0
         self.reset_timers()
         saved: dict[int, SavedMicrobatch] = {}
-        for action in actions:
+        for i, action in enumerate(actions):
             if action.kind == "F":
                 saved[action.microbatch] = self.forward_microbatch(step, action.microbatch, stats)
             else:
-                self.backward_microbatch(action.microbatch, saved.pop(action.microbatch), stats)
+                hook = on_layer_final if i == last_backward else None
+                self.backward_microbatch(
+                    action.microbatch, saved.pop(action.microbatch), stats, hook
+                )
         self.link.finish_sends()
         if saved or self.link.num_pending_sends:
             raise RuntimeError(

@@ -49,7 +49,7 @@ from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
 from dynmo_hpc.pipeline.elastic import PackController, resize_event
 from dynmo_hpc.pipeline.fault_injection import make_injector
-from dynmo_hpc.pipeline.grad_sync import all_reduce_grads, check_replicas_agree
+from dynmo_hpc.pipeline.grad_sync import GradReducer, check_replicas_agree, log_overlap
 from dynmo_hpc.pipeline.groups import make_groups
 from dynmo_hpc.pipeline.lifecycle import (
     PhaseTracker,
@@ -343,9 +343,10 @@ class Trainer:
         topo, slots = self.topo, self.pipeline_stage.slots
         per_replica = cfg.train.num_microbatches // topo.num_replicas
         actions = build_schedule(cfg.pipeline.schedule, topo.stage, topo.num_stages, per_replica)
-        stats = self.pipeline_stage.run_schedule(step, actions)
+        reducer = GradReducer(self.groups.data, slots, int(cfg.pipeline.grad_bucket_mb * 2**20))
+        stats = self.pipeline_stage.run_schedule(step, actions, reducer.layer_final)
         self.reporter.accumulator.add(stats.forward_s, stats.backward_s)
-        allreduce_s = all_reduce_grads(self.groups.data, slots)
+        sync = reducer.finish()
 
         sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
         for slot in slots:
@@ -359,7 +360,7 @@ class Trainer:
 
         cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
         mine = (stats.lm_loss_sum, stats.aux_loss_sum, stats.compute_s, stats.idle_s, cpu_s)
-        gathered = self.comm.gather((*mine, allreduce_s), root=0)
+        gathered = self.comm.gather((*mine, *sync.row()), root=0)
         self.reporter.pipeline_step_s.append(time.perf_counter() - t0)
         if self.rank == 0:
             self.reporter.allreduce_s.append(max(g[5] for g in gathered))
@@ -383,7 +384,7 @@ class Trainer:
         """Rank 0: the step's row (with its A/B arm and wall/CPU ratio), its stage times and
         scheme events in the run log; the progress line; a flush after a load report.
         ``gathered``: per rank, (LM loss, aux loss, compute wall s, idle s, layer CPU s,
-        gradient all-reduce s); each replica's losses are its share of the global mean."""
+        then :meth:`.SyncStats.row`); each replica's losses are its share of the global mean."""
         cfg = self.cfg
         loss = sum(g[0] for g in gathered)
         tokens_per_s = cfg.tokens_per_step / step_time_s
@@ -409,6 +410,8 @@ class Trainer:
             num_replicas=self.topo.num_replicas,
             allreduce_s=[g[5] for g in gathered],
         )
+        if reported and self.topo.num_replicas > 1:
+            log_overlap(self.writer, step, gathered)
         for event in scheme_events:
             self.writer.log_event(step=step, kind=event["kind"], detail=event)
             if event["kind"] == SCHEME_STATS:
