@@ -122,28 +122,24 @@ def test_sbatch_job_packs_from_four_nodes_to_two(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     name = unique("elastic-sbatch")
+    sbatch_pack_and_complete(slurm_cluster, JOB, overrides(tmp_path, name), tmp_path / name)
+
+
+def sbatch_pack_and_complete(
+    slurm_cluster: SlurmCluster, job_file: str, args: list[str], run_dir: Path
+) -> int:
+    """Submit ``job_file`` with ``dynmo-hpc sbatch --submit``, check the pack on the cluster
+    (freed nodes used by another job), that it ends COMPLETED, and its run log; the job id."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dynmo_hpc",
-            "sbatch",
-            JOB,
-            "--submit",
-            *as_args(overrides(tmp_path, name)),
-        ],
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        [sys.executable, "-m", "dynmo_hpc", "sbatch", job_file, "--submit", *as_args(args)],
+        env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     found = re.search(r"submitted job (\d+)", out.stdout)
     assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
     job_id = int(found.group(1))
-    run_dir = tmp_path / name
 
     def context() -> str:
-        return f"logs {run_dir}/{name}-{job_id}.out/.err"
+        return f"logs {run_dir}/{run_dir.name}-{job_id}.out/.err"
 
     try:
         check_pack_on_the_cluster(slurm_cluster, job_id, run_dir, context)
@@ -151,6 +147,7 @@ def test_sbatch_job_packs_from_four_nodes_to_two(
     finally:
         slurm_cluster.run(["scancel", str(job_id)], check=False)
     check_run_log(slurm_cluster, job_id, run_dir, context())
+    return job_id
 
 
 REFUSING_SCONTROL = """#!/bin/bash
@@ -219,24 +216,12 @@ def test_sbatch_job_with_two_replicas_packs_to_one_and_frees_two_nodes(
     tests/test_packing_replicas.py."""
     name = unique("replicas-sbatch")
     args = [*overrides(tmp_path, name), "elastic.restart_overhead_s=2"]
-    out = subprocess.run(
-        [sys.executable, "-m", "dynmo_hpc", "sbatch", REPLICAS_JOB, "--submit", *as_args(args)],
-        env=slurm_cluster.env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    found = re.search(r"submitted job (\d+)", out.stdout)
-    assert found, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
-    job_id = int(found.group(1))
     run_dir = tmp_path / name
+    job_id = sbatch_pack_and_complete(slurm_cluster, REPLICAS_JOB, args, run_dir)
 
     def context() -> str:
         return f"logs {run_dir}/{name}-{job_id}.out/.err"
 
-    try:
-        check_pack_on_the_cluster(slurm_cluster, job_id, run_dir, context)
-        assert slurm_cluster.wait(job_id, timeout_s=TIMEOUT_S) == "COMPLETED", context()
-    finally:
-        slurm_cluster.run(["scancel", str(job_id)], check=False)
-    check_run_log(slurm_cluster, job_id, run_dir, context())
     run = runlog.load(run_dir / "run.h5")
     assert run.steps["num_ranks"].tolist()[0] == 4 and run.steps["num_ranks"].tolist()[-1] == 2
     assert set(run.steps["num_stages"].tolist()) == {2}, context()
