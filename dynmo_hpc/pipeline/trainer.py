@@ -485,11 +485,10 @@ class Trainer:
     def _log_start(self) -> None:
         cfg = self.cfg
         log.info(
-            "training %s: %d layers on %d replicas x %d stages %s, %d steps x %d microbatches "
-            "of %d x %d",
+            "training %s: %d layers on %s%d stages %s, %d steps x %d microbatches of %d x %d",
             cfg.job.name,
             cfg.model.num_layers,
-            cfg.pipeline.replicas,
+            f"{cfg.pipeline.replicas} replicas x " if cfg.pipeline.replicas > 1 else "",
             cfg.pipeline.num_stages,
             self.parts,
             cfg.train.steps,
