@@ -174,7 +174,7 @@ def test_the_oversubscription_factor_stretches_only_stages_that_time_slice() -> 
     assert step(2, 1.25) == step(2, 1.0)
     # A run's own measured ratios already contain it: not applied again.
     assert step(3, 1.25, external=False) == step(3, 1.0, external=False)
-    with pytest.raises(ValueError, match="oversubscribed_wall_s_per_cpu_s=0.0 must be"):
+    with pytest.raises(ValueError, match=r"oversubscribed_wall_s_per_cpu_s=0\.0 must be"):
         step(3, 0.0)
 
 

@@ -20,9 +20,9 @@ migration that follow its schedule. Steps past the last report keep its costs.
 Calibrated terms (:mod:`dynmo_hpc.sim.machine`, all 0 by default): a report's CPU-second costs
 and the setup's CPU overheads are stretched by the report's wall-per-CPU ratio (one for the
 interval, or one per step of it; with a fitted external load, times the oversubscription factor
-for the stages that time-slice a core, :func:`time_sliced`); each action pays ``action_s``, each stage ``step_s +
-optimizer_s_per_param x its parameters`` after the schedule, and the last step of each interval
-(the one that reports, as in the trainer) its ``report_s``.
+for the stages that time-slice a core, :func:`time_sliced`); each action pays ``action_s``,
+each stage ``step_s + optimizer_s_per_param x its parameters`` after the schedule, and the last
+step of each interval (the one that reports, as in the trainer) its ``report_s``.
 
 Pure: no clock, no I/O; the caller supplies the traces and may pass a progress callback.
 """
@@ -279,7 +279,8 @@ def time_sliced(
     (:func:`~dynmo_hpc.sim.shared_cores.home_cores`, placed on the stages' CPU seconds per step)
     holds another stage too; every stage when ``cores`` is fractional (pooled). Only these pay
     ``oversubscribed_wall_s_per_cpu_s``: a rank alone on its core is not switched out."""
-    loads = np.array([num_microbatches * (f + b) for f, b in zip(forward_s, backward_s, strict=True)])
+    pairs = zip(forward_s, backward_s, strict=True)
+    loads = np.array([num_microbatches * (f + b) for f, b in pairs])
     home = home_cores(loads, cores)
     if home is None:
         return [True] * len(loads)
