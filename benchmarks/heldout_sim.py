@@ -6,7 +6,9 @@ What it does, in order:
      that share no run;
   2. fits the machine calibration on the calibration set only
      (:func:`dynmo_hpc.sim.heldout.fit_machine`: the overheads, the other processes' wall-per-CPU
-     factor; link and optimizer from --base-machine) and writes it (--write-machine);
+     factor, the factor of more ranks than cores, fitted on the calibration runs with more
+     stages than cores; link and optimizer from --base-machine) and writes it
+     (--write-machine);
   3. for each held-out pair (X, Y), predicts Y's median step time and the speedup Y/X from X's
      load reports alone, under Y's settings (stages, microbatches, algorithm), with that machine
      file: the same computation as `dynmo-hpc simulate --from X --predict Y --machine FILE`;
@@ -224,7 +226,10 @@ def hidden_terms(run: RunLog, machine: MachineModel) -> dict[str, float]:
         "+ overheads (optimizer, step, report)": dataclasses.replace(
             machine, external_wall_s_per_cpu_s=None
         ),
-        "+ other processes' load (all terms)": machine,
+        "+ other processes' load": dataclasses.replace(
+            machine, oversubscribed_wall_s_per_cpu_s=None
+        ),
+        "+ more ranks than cores (all terms)": machine,
         "all terms but a core per stage": dataclasses.replace(machine, cores=None),
     }
     return {
@@ -246,9 +251,12 @@ def markdown(
 ) -> str:
     """The table to paste into docs/simulate.md#held-out-validation."""
     fitted_on = ", ".join((machine.notes or {}).get("fitted_on", []))
+    over = machine.oversubscribed_wall_s_per_cpu_s
     lines = [
         f"Machine calibration fitted on {fitted_on} (external load "
-        f"{machine.external_wall_s_per_cpu_s:.3f}); measured {time.strftime('%Y-%m-%d %H:%M')}",
+        f"{machine.external_wall_s_per_cpu_s:.3f}, more ranks than cores "
+        f"{'none' if over is None else f'{over:.3f}'}); "
+        f"measured {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "| source X | target Y | P | M | algorithm | Y measured s | Y predicted s | error "
         "| speedup X/Y measured | predicted | error | other load X / Y |",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from dynmo_hpc.sim.heldout import (
     check_same_job,
     external_ratio,
     fit_machine,
+    fit_oversubscribed,
     measured_step_s,
     predict,
     predict_pair,
@@ -31,6 +33,7 @@ from dynmo_hpc.sim.machine import (
     machine_from_json,
     shipped_machine_path,
 )
+from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, time_sliced
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog
 
 SHIPPED = Path(__file__).resolve().parents[1] / "dynmo_hpc" / "sim" / "machines"
@@ -119,6 +122,73 @@ def test_machine_file_external_load_round_trips_and_unknown_keys() -> None:
         machine_from_json({"external_wall_s_per_cpu": 1.0})
 
 
+def test_fit_oversubscribed_solves_for_a_median_step_ratio_of_one() -> None:
+    # Three runs whose predicted steps grow in proportion to the factor: the median ratio.
+    measured, base = [1.2, 2.1, 0.55], [1.0, 2.0, 0.5]
+    fitted = fit_oversubscribed(measured, lambda f: [f * p for p in base])
+    assert fitted == pytest.approx(1.1, abs=1e-3)
+    # Half of a run's step time-sliced: the factor makes up the whole step's gap on that half.
+    fitted = fit_oversubscribed([1.2], lambda f: [0.5 + 0.5 * f])
+    assert fitted == pytest.approx(1.4, abs=1e-3)
+    assert fit_oversubscribed([0.9], lambda f: [f]) == 1.0  # faster than simulated: noise
+    assert fit_oversubscribed([9.0], lambda f: [f]) == 3.0  # capped
+    assert fit_oversubscribed([], lambda f: []) is None  # no such run: the file has no factor
+    with pytest.raises(ValueError, match="2 measured steps but 1 predicted"):
+        fit_oversubscribed([1.0, 1.0], lambda f: [1.0])
+
+
+def _oversubscribed_step_s(
+    num_stages: int, factor: float, *, external: bool = True, cores: float = 2.0, heavy: float = 1.0
+) -> float:
+    """Median replayed step of 6 layers (the last ``heavy`` times the others) on ``num_stages``
+    stages sharing ``cores`` cores. Distinct stage loads: equal ones would leave the home-core
+    placement to float rounding."""
+    forward_s = [0.010, 0.013, 0.016, 0.019, 0.022, heavy * 0.025]
+    report = CostReport(
+        forward_s=forward_s,
+        backward_s=[2 * x for x in forward_s],
+        num_params=[10] * 6,
+        layer_bytes=[100] * 6,
+    )
+    setup = ReplaySetup(
+        num_stages=num_stages,
+        num_microbatches=4,
+        interval=2,
+        cores=cores,
+        ratios_are_external=external,
+        oversubscribed_wall_s_per_cpu_s=factor,
+    )
+    return replay([report], setup, "uniform").median_step_time_s
+
+
+def test_the_oversubscription_factor_stretches_only_stages_that_time_slice() -> None:
+    step = _oversubscribed_step_s
+    # Pooled cores (fractional): every stage time-slices; no link, no wake-up, so every second
+    # of the step is CPU work and the whole step scales by the factor.
+    assert step(3, 1.25, cores=1.5) == pytest.approx(1.25 * step(3, 1.0, cores=1.5))
+    # 3 stages on 2 cores, the last stage far the heaviest: it keeps a core to itself, sets the
+    # step, and does not pay the factor; the two light stages that share the other core do.
+    assert time_sliced([0.01, 0.02, 0.2], [0.02, 0.04, 0.4], 4, 2.0) == [True, True, False]
+    assert step(3, 1.0, heavy=8.0) < step(3, 1.25, heavy=8.0) < 1.05 * step(3, 1.0, heavy=8.0)
+    # 2 stages on 2 cores: a core each, no time-slicing, no factor.
+    assert step(2, 1.25) == step(2, 1.0)
+    # A run's own measured ratios already contain it: not applied again.
+    assert step(3, 1.25, external=False) == step(3, 1.0, external=False)
+    with pytest.raises(ValueError, match=r"oversubscribed_wall_s_per_cpu_s=0\.0 must be"):
+        step(3, 0.0)
+
+
+def test_machine_file_oversubscription_round_trips() -> None:
+    model = machine_from_json({"oversubscribed_wall_s_per_cpu_s": 1.08, "cores": 2})
+    assert model.oversubscribed_wall_s_per_cpu_s == 1.08
+    assert machine_from_json(model.to_json()) == model
+    assert machine_from_json({}).oversubscribed_wall_s_per_cpu_s is None
+    with pytest.raises(ValueError, match="must be > 0"):
+        machine_from_json({"oversubscribed_wall_s_per_cpu_s": 0})
+    with pytest.raises(ValueError, match="did you mean 'oversubscribed_wall_s_per_cpu_s'"):
+        machine_from_json({"oversubscribed_wall_s_per_cpu": 1.0})
+
+
 def test_the_shipped_calibration_loads_and_was_fitted_held_out() -> None:
     path = shipped_machine_path(2)
     assert path == SHIPPED / "cpu_2core.json"
@@ -174,7 +244,13 @@ def test_prediction_never_reads_the_targets_wall_times(
 ) -> None:
     """The target's wall times move the measured column and nothing else."""
     machine = MachineModel(overheads=Overheads(step_s=0.004), cores=2.0)
-    machine = machine_from_json({**machine.to_json(), "external_wall_s_per_cpu_s": 1.1})
+    machine = machine_from_json(
+        {
+            **machine.to_json(),
+            "external_wall_s_per_cpu_s": 1.1,
+            "oversubscribed_wall_s_per_cpu_s": 1.2,
+        }
+    )
     source, target = load(runs["src"]), load(runs["p3"])
     bad = load(_corrupt_wall_times(runs["p3"], tmp_path / "bad.h5", 7.0))
     assert measured_step_s(bad) == pytest.approx(7.0 * measured_step_s(target))
@@ -207,6 +283,39 @@ def test_fit_machine_uses_only_the_calibration_runs(runs: dict[str, Path], tmp_p
     # 5x the wall time: at least 3x the load (each step's ratio is floored at 1 before the
     # median, so a quiet run's median may have been lifted to 1).
     assert external_ratio(slow, base) > 3.0 * external_ratio(cal[0][1], base)
+    # Only 2-stage runs on 2 cores: no oversubscription factor to fit.
+    assert fitted.oversubscribed_wall_s_per_cpu_s is None
+
+
+@pytest.mark.slow
+def test_fit_machine_fits_the_oversubscription_factor_on_its_own_runs_only(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The 3-stage run on 2 cores gives the factor; its wall times move it, the runs outside
+    the calibration set (the 2-stage source) cannot."""
+    base = MachineModel(overheads=Overheads(optimizer_s_per_param=4e-9), cores=2.0)
+    src, p3, other = (load(runs[name]) for name in ("src", "p3", "other"))
+    fitted = fit_machine([("p3", p3), ("other", other)], base)
+    assert fitted.oversubscribed_wall_s_per_cpu_s is not None
+    assert fitted.oversubscribed_wall_s_per_cpu_s >= 1.0
+    # The fit is the definition: p3 replayed from its own costs with the factor meets its
+    # measured step (or the factor is 1: predicted at or above it already).
+    own = predict(traces_from_runlog(p3), target_settings(p3.config), fitted)
+    if fitted.oversubscribed_wall_s_per_cpu_s > 1.0:
+        assert own.median_step_time_s == pytest.approx(measured_step_s(p3), rel=1e-3)
+    slow = load(_corrupt_wall_times(runs["p3"], tmp_path / "slow_p3.h5", 3.0))
+    refit = fit_machine([("p3", slow), ("other", other)], base)
+    assert refit.oversubscribed_wall_s_per_cpu_s is not None
+    assert refit.oversubscribed_wall_s_per_cpu_s > 1.2 * fitted.oversubscribed_wall_s_per_cpu_s
+    # Predicting p3 from src: the factor slows the 3-stage prediction, by at most itself, and
+    # leaves the 2-stage source's own replay alone.
+    with_factor = predict_pair(src, p3, refit, ("src", "p3"))
+    without = predict_pair(src, p3, replace(refit, oversubscribed_wall_s_per_cpu_s=None), ("", ""))
+    assert without.predicted_target_s < with_factor.predicted_target_s
+    assert with_factor.predicted_target_s <= 1.001 * (
+        refit.oversubscribed_wall_s_per_cpu_s * without.predicted_target_s
+    )
+    assert with_factor.predicted_source_s == without.predicted_source_s
 
 
 @pytest.mark.slow

@@ -314,6 +314,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         poll_max_s=_pick(machine.poll_max_s, 0.0),
         packing=packing,
         ratios_are_external=external,
+        oversubscribed_wall_s_per_cpu_s=_pick(machine.oversubscribed_wall_s_per_cpu_s, 1.0),
     )
     setup.check()
     return source.reports, setup, int(value["tokens_per_microbatch"])

@@ -31,7 +31,7 @@ column and nothing in the prediction.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -145,6 +145,7 @@ def replay_setup(
         poll_max_s=machine.poll_max_s or 0.0,
         packing=target.packing,
         ratios_are_external=machine.external_wall_s_per_cpu_s is not None,
+        oversubscribed_wall_s_per_cpu_s=machine.oversubscribed_wall_s_per_cpu_s or 1.0,
     )
 
 
@@ -294,22 +295,82 @@ def _shared(machine: MachineModel, parts: Sequence[int]) -> bool:
     return machine.cores is not None and machine.cores < len(parts) - 1
 
 
+OVERSUBSCRIBED_MAX = 3.0
+"""The largest oversubscription factor :func:`fit_oversubscribed` returns (a run 3x slower than
+its time-slicing stages explain had something else wrong with it)."""
+
+
+def fit_oversubscribed(
+    measured_s: Sequence[float],
+    predicted_s_at: Callable[[float], Sequence[float]],
+    tolerance: float = 1e-4,
+) -> float | None:
+    """The oversubscription factor from calibration runs with more ranks than cores: the
+    factor at which the median over the runs of measured median step / predicted median step
+    is 1 (bisection on [1, :data:`OVERSUBSCRIBED_MAX`]); 1 when the runs are already predicted
+    at or above their measured steps (nothing runs faster than the sharing simulated); None for
+    no runs. ``predicted_s_at(factor)`` replays each run from its own layer costs with every
+    other term of the calibration.
+
+    Why a bisection: the factor stretches only the stages that time-slice a core
+    (:func:`~dynmo_hpc.sim.replay.time_sliced`), so a predicted step is not proportional to it.
+    """
+    if not measured_s:
+        return None
+
+    def median_ratio(factor: float) -> float:
+        predicted = list(predicted_s_at(factor))
+        if len(predicted) != len(measured_s):
+            raise ValueError(f"{len(measured_s)} measured steps but {len(predicted)} predicted")
+        return float(statistics.median(m / p for m, p in zip(measured_s, predicted, strict=True)))
+
+    lo, hi = 1.0, OVERSUBSCRIBED_MAX
+    if median_ratio(lo) <= 1.0:
+        return lo
+    if median_ratio(hi) >= 1.0:
+        return hi
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if median_ratio(mid) > 1.0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_machine(
     runs: Sequence[tuple[str, RunLog]], base: MachineModel, notes: dict[str, Any] | None = None
 ) -> MachineModel:
     """The machine calibration from ``runs`` (never the runs it will predict): ``base``'s
     measured constants (optimizer per parameter, link, cores, wake-up), the per-step, per-action
-    and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.calibration.fit_overheads`)
-    and the median of their external load (:func:`external_ratio`)."""
+    and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.calibration.fit_overheads`),
+    the median of their external load (:func:`external_ratio`), then, with those, the
+    oversubscription factor of the runs with more stages than ``base.cores``
+    (:func:`fit_oversubscribed`; None when no run has)."""
     if not runs:
         raise ValueError("fit_machine needs at least one calibration run")
     decomps = [decompose(run, name) for name, run in runs]
     overheads = fit_overheads(decomps, base.overheads.optimizer_s_per_param)
     external = statistics.median(external_ratio(run, base) for _, run in runs)
-    return replace(
+    machine = replace(
         base,
         overheads=overheads,
         wall_s_per_cpu_s=None,
         external_wall_s_per_cpu_s=float(external),
+        oversubscribed_wall_s_per_cpu_s=None,
         notes={**(notes or {}), "fitted_on": [name for name, _ in runs]},
     )
+    over = [
+        (traces_from_runlog(run), target_settings(run.config, name), measured_step_s(run))
+        for name, run in runs
+        if _oversubscribed(machine, run)
+    ]
+
+    def predicted_s_at(factor: float) -> list[float]:
+        model = replace(machine, oversubscribed_wall_s_per_cpu_s=factor)
+        return [predict(traces, own, model).median_step_time_s for traces, own, _ in over]
+
+    factor = fit_oversubscribed([m for _, _, m in over], predicted_s_at)
+    return replace(machine, oversubscribed_wall_s_per_cpu_s=factor)
+
+
+def _oversubscribed(machine: MachineModel, run: RunLog) -> bool:
+    stages = int(run.config["pipeline"]["num_stages"])
+    return machine.cores is not None and machine.cores < stages

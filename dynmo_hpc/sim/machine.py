@@ -133,6 +133,16 @@ class MachineModel:
     sharing of ``cores``, fitted on calibration runs (:func:`dynmo_hpc.sim.heldout.fit_machine`),
     never on the run predicted: the replay uses it as it is, for every step. None: not fitted
     (a measured ``--wall-per-cpu`` or ``wall_s_per_cpu_s`` decides)."""
+    oversubscribed_wall_s_per_cpu_s: float | None = None
+    """Wall seconds per CPU second, on top of the simulated sharing of ``cores`` and of
+    ``external_wall_s_per_cpu_s``, that a rank time-slicing a core with another rank costs:
+    what time-slicing adds beyond each rank's share of the core (context switches, caches
+    refilled after each switch, a woken rank waiting for its busy core, the layers' CPU seconds
+    growing). Fitted on the calibration runs with more stages than ``cores``
+    (:func:`dynmo_hpc.sim.heldout.fit_oversubscribed`); in a step whose partition has more
+    stages than ``cores``, the replay multiplies every CPU second of the stages whose home core
+    holds another stage by it (:func:`dynmo_hpc.sim.replay.time_sliced`), and only with the
+    fitted external load (a run's own measured ratio already contains it). None: 1."""
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
@@ -155,6 +165,7 @@ class MachineModel:
             "wall_s_per_cpu_s",
             "cores",
             "external_wall_s_per_cpu_s",
+            "oversubscribed_wall_s_per_cpu_s",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -206,6 +217,7 @@ _OPTIONAL_KEYS = (
     "cores",
     "poll_max_s",
     "external_wall_s_per_cpu_s",
+    "oversubscribed_wall_s_per_cpu_s",
 )
 
 

@@ -19,9 +19,10 @@ migration that follow its schedule. Steps past the last report keep its costs.
 
 Calibrated terms (:mod:`dynmo_hpc.sim.machine`, all 0 by default): a report's CPU-second costs
 and the setup's CPU overheads are stretched by the report's wall-per-CPU ratio (one for the
-interval, or one per step of it); each action pays ``action_s``, each stage ``step_s +
-optimizer_s_per_param x its parameters`` after the schedule, and the last step of each interval
-(the one that reports, as in the trainer) its ``report_s``.
+interval, or one per step of it; with a fitted external load, times the oversubscription factor
+for the stages that time-slice a core, :func:`time_sliced`); each action pays ``action_s``,
+each stage ``step_s + optimizer_s_per_param x its parameters`` after the schedule, and the last
+step of each interval (the one that reports, as in the trainer) its ``report_s``.
 
 Pure: no clock, no I/O; the caller supplies the traces and may pass a progress callback.
 """
@@ -34,6 +35,8 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dynmo_hpc.balance import ALGORITHMS, INITIAL_ALGORITHM, BalanceState, partition
 from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.balance.packing import PACK_POLICIES, PackRequest, nodes_for, plan_pack
@@ -41,6 +44,7 @@ from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.machine import Overheads
+from dynmo_hpc.sim.shared_cores import home_cores
 from dynmo_hpc.sim.step import simulate_step, stage_times_s
 
 PACKING = "packing"
@@ -149,6 +153,13 @@ class ReplaySetup:
     calibration's ``external_wall_s_per_cpu_s``), used as they are. False: they are a run's
     measured ratios, which contain its own ranks' sharing of ``cores``; with ``cores`` fewer
     than the stages that part is taken off (:func:`external_wall_s_per_cpu_s`)."""
+    oversubscribed_wall_s_per_cpu_s: float = 1.0
+    """With ``ratios_are_external``: the factor every CPU second of a time-slicing stage costs
+    on top of the simulated sharing (a machine calibration's ``oversubscribed_wall_s_per_cpu_s``),
+    in a step whose partition has more stages than ``cores``: the stages whose home core holds
+    another stage too (:func:`time_sliced`). A stage alone on its core, and every stage of a
+    step on at most ``cores`` stages (after a pack, say), does not pay it. Ignored for measured
+    ratios, which contain it. 1: none."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -169,6 +180,9 @@ class ReplaySetup:
             raise ValueError(f"poll_max_s={self.poll_max_s!r} must be finite and >= 0")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"cores={self.cores!r} must be finite and > 0")
+        over = self.oversubscribed_wall_s_per_cpu_s
+        if not (math.isfinite(over) and over > 0):
+            raise ValueError(f"oversubscribed_wall_s_per_cpu_s={over!r} must be finite and > 0")
         self.balance("optimal").validate()
         self.packing.check()
 
@@ -235,21 +249,43 @@ def _step_times_s(
     backward = stage_times_s(report.backward_s, parts, m)
     cores = setup.cores if setup.cores is not None and setup.cores < len(forward) else None
     own = 1.0 if cores is None else sharing_ratio(forward, backward, m, setup)
+    sliced = [1.0] * len(forward)
+    if cores is not None and setup.ratios_are_external:
+        over = setup.oversubscribed_wall_s_per_cpu_s
+        sliced = [over if s else 1.0 for s in time_sliced(forward, backward, m, cores)]
     out = {}
     for ratio in set(ratios):
         k = ratio if cores is None or setup.ratios_are_external else max(1.0, ratio / own)
         out[ratio] = simulate_step(
-            [k * x for x in forward],
-            [k * x for x in backward],
+            [k * f * x for f, x in zip(sliced, forward, strict=True)],
+            [k * f * x for f, x in zip(sliced, backward, strict=True)],
             m,
             setup.schedule,
             comm_s=setup.comm_s,
             action_overhead_s=k * extra.action_s,
-            stage_overhead_s=[k * extra.stage_tail_s(n) for n in params],
+            stage_overhead_s=[
+                k * f * extra.stage_tail_s(n) for f, n in zip(sliced, params, strict=True)
+            ],
             cores=cores,
             poll_max_s=setup.poll_max_s,
         ).step_time_s
     return out
+
+
+def time_sliced(
+    forward_s: Sequence[float], backward_s: Sequence[float], num_microbatches: int, cores: float
+) -> list[bool]:
+    """Per stage, whether it time-slices a core with another stage: its home core
+    (:func:`~dynmo_hpc.sim.shared_cores.home_cores`, placed on the stages' CPU seconds per step)
+    holds another stage too; every stage when ``cores`` is fractional (pooled). Only these pay
+    ``oversubscribed_wall_s_per_cpu_s``: a rank alone on its core is not switched out."""
+    pairs = zip(forward_s, backward_s, strict=True)
+    loads = np.array([num_microbatches * (f + b) for f, b in pairs])
+    home = home_cores(loads, cores)
+    if home is None:
+        return [True] * len(loads)
+    per_core = np.bincount(home, minlength=int(cores))
+    return [bool(per_core[h] > 1) for h in home]
 
 
 def sharing_ratio(
