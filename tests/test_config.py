@@ -261,6 +261,7 @@ NON_FINITE_OVERRIDES = [
     "balance.margin=.inf",
     "balance.smoothing=nan",
     "balance.capacity_bytes=.inf",
+    "pipeline.grad_bucket_mb=nan",
     "checkpoint.every_minutes=nan",
     "data.val_fraction=nan",
     "elastic.max_slowdown=nan",
