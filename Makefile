@@ -12,7 +12,7 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
 	dynmo_hpc/pipeline/lineage.py dynmo_hpc/pipeline/manifest.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
-	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
+	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/pipeline/waiting.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \
 	dynmo_hpc/launch/preflight.py dynmo_hpc/pipeline/corpus.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \

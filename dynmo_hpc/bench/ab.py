@@ -149,6 +149,7 @@ def report_overheads(
     parts: list[int],
     steps: tuple[int, int],
     poll_max_s: float = 0.0,
+    poll_yield_s: float = 0.0,
 ) -> Overheads | None:
     """The measured :class:`~dynmo_hpc.bench.ceiling.Overheads` of one load report's interval
     (steps ``[first, end)``, all run on ``parts``), over its kept steps (:func:`mark_steps`);
@@ -178,7 +179,9 @@ def report_overheads(
     span = (compute + idle).max(axis=1)
     step_s = chosen.set_index("step")["step_time_s"].astype(float).reindex(span.index)
     tail_s = max(0.0, float(np.median(step_s - span)))
-    return Overheads(stage_s=stage_s, tail_s=tail_s, poll_max_s=poll_max_s)
+    return Overheads(
+        stage_s=stage_s, tail_s=tail_s, poll_max_s=poll_max_s, poll_yield_s=poll_yield_s
+    )
 
 
 def run_ceilings(
@@ -205,6 +208,7 @@ def run_ceilings(
                 measured.parts_at_report[int(step)],
                 (previous + 1, int(step) + 1),
                 measured.poll_max_s,
+                measured.poll_yield_s,
             )
         out[int(step)] = report_ceiling(
             rows["forward_s"].astype(float).tolist(),
@@ -229,6 +233,7 @@ class RunTimes:
     parts_at_report: dict[int, list[int]]
     """Per load report step: the partition in force over its interval."""
     poll_max_s: float = 0.0
+    poll_yield_s: float = 0.0
 
 
 def parts_at_reports(partitions: pd.DataFrame) -> dict[int, list[int]]:

@@ -27,7 +27,8 @@ prices each as the trainer spends it:
   gather, the load report): the same for every partition, added once per step;
 
 and a waiting stage notices its input late by the trainer's poll back-off
-(:func:`dynmo_hpc.sim.wakeup.noticed_s`, cap ``poll_max_s``). A time shared by every partition
+(:func:`dynmo_hpc.sim.wakeup.noticed_s`, cap ``poll_max_s``, after yielding for
+``poll_yield_s``). A time shared by every partition
 dilutes the ceiling as it dilutes the measured gain, so the two stay comparable.
 
 The minimum is over every partition when there are at most :data:`MAX_ENUMERATED` of them (all
@@ -67,9 +68,12 @@ class Overheads:
     """Seconds of the step after the schedule (>= 0), the same on every partition."""
     poll_max_s: float = 0.0
     """The trainer's longest sleep while waiting for an input (0: inputs noticed at once)."""
+    poll_yield_s: float = 0.0
+    """How long a wait yields the core before it sleeps (``runtime.wait_mode``'s window where
+    each stage has a core of its own, else 0)."""
 
     def __post_init__(self) -> None:
-        values = [*self.stage_s, self.tail_s, self.poll_max_s]
+        values = [*self.stage_s, self.tail_s, self.poll_max_s, self.poll_yield_s]
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"overheads must be finite and >= 0, got {self}")
 
@@ -102,6 +106,7 @@ def partition_step_s(
         schedule,
         stage_overhead_s=[overheads.tail_s] * len(fwd),
         poll_max_s=overheads.poll_max_s,
+        poll_yield_s=overheads.poll_yield_s,
     ).step_time_s
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -95,14 +96,22 @@ def train_run(name: str, cfg: JobConfig) -> tuple[Any, float]:
 
 def measured_times(run: Any, marked: Any) -> RunTimes:
     """What ``run`` (a run log) measured besides its layers, for the ceiling's overheads; the
-    poll back-off is the trainer's own."""
+    poll back-off is the trainer's own, and so is its yield window: what ``runtime.wait_mode``
+    chose for the run's ranks, all on this machine's cores (the bench trains locally, then
+    reads the log here)."""
     from dynmo_hpc.pipeline.comm import WAIT_MAX_SLEEP_S
+    from dynmo_hpc.pipeline.waiting import pipeline_wait_yield_s
 
+    cores = len(os.sched_getaffinity(0))
+    pipeline = run.config.get("pipeline", {})
+    ranks = int(pipeline.get("num_stages", 1)) * int(pipeline.get("replicas", 1))
+    spin = str(run.config.get("runtime", {}).get("wait_mode", "auto"))
     return RunTimes(
         marked=marked,
         stage_times=run.stage_times,
         parts_at_report=parts_at_reports(run.partitions),
         poll_max_s=WAIT_MAX_SLEEP_S,
+        poll_yield_s=pipeline_wait_yield_s(spin, ranks, cores, os.cpu_count() or cores),
     )
 
 

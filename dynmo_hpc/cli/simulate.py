@@ -34,6 +34,7 @@ from dynmo_hpc.cli.plan import _floats
 from dynmo_hpc.cli.simulate_scale import add_scale_arguments, run_scale, stage_list
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.schedule import SCHEDULES
+from dynmo_hpc.pipeline.waiting import WAIT_YIELD_S
 from dynmo_hpc.sim.heldout import HeldOutRow, predict_pair
 from dynmo_hpc.sim.machine import MachineModel, load_machine, shipped_machine_path
 from dynmo_hpc.sim.replay import (
@@ -312,6 +313,7 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         overheads=machine.overheads,
         cores=_pick(args.cores, machine.cores),
         poll_max_s=_pick(machine.poll_max_s, 0.0),
+        poll_yield_s=WAIT_YIELD_S if machine.poll_max_s else 0.0,
         packing=packing,
         ratios_are_external=external,
         oversubscribed_wall_s_per_cpu_s=_pick(machine.oversubscribed_wall_s_per_cpu_s, 1.0),

@@ -288,6 +288,10 @@ class RuntimeSection:
     or auto (torch on CUDA, mpi on CPU)."""
     threads_per_rank: int = 1
     """torch intra-op threads per rank; 1 keeps per-layer CPU timing honest."""
+    wait_mode: Literal["auto", "yield", "sleep"] = "auto"
+    """How a stage waits for its neighbour: yield its core for the first few milliseconds
+    (``yield``), sleep between polls at once (``sleep``), or yield only when every rank on the host
+    has a core of its own (``auto``; :mod:`dynmo_hpc.pipeline.waiting`)."""
     mpi_launcher: str | None = None
     """Path to mpiexec for local runs; null uses the one in the venv next to Python."""
     timeout_s: float = 3600.0

@@ -9,11 +9,14 @@ through ``torch.distributed`` when available (bootstrapped from MPI), else host 
 
 Waiting: an MPI rank blocked in ``Recv`` may busy-poll and steal a core from a rank that is
 computing when there are fewer cores than ranks, so every wait here is a ``Test`` loop with a
-short, growing sleep (:class:`Backoff`). The time spent waiting is the stage's idle time.
+short, growing sleep (:class:`Backoff`); where each rank has a core of its own, the stage's waits
+yield the core for their first milliseconds instead (:mod:`dynmo_hpc.pipeline.waiting`). The
+time spent waiting is the stage's idle time.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,7 +26,12 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from dynmo_hpc.config.sections import RuntimeSection
 from dynmo_hpc.model.gpt import Payload, Spec
+from dynmo_hpc.pipeline.groups import RankGroups
+from dynmo_hpc.pipeline.waiting import pipeline_wait_yield_s
+
+log = logging.getLogger(__name__)
 
 _MAX_KEYS = 8  # payload tensors per message; part of the tag layout
 
@@ -141,8 +149,18 @@ class StageLink:
     ranks are matched by tag, so out-of-order microbatches (1F1B) never mix.
     """
 
-    def __init__(self, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        stage: int,
+        num_stages: int,
+        device: torch.device,
+        wait_yield_s: float = 0.0,
+    ) -> None:
         self.comm = comm
+        self.wait_yield_s = wait_yield_s
+        """Seconds a wait yields its core before it sleeps
+        (:func:`dynmo_hpc.pipeline.waiting.pipeline_wait_yield_s`)."""
         self.stage = stage
         self.num_stages = num_stages
         self.device = device
@@ -172,7 +190,7 @@ class StageLink:
         return self.comm.Isend(tensor, dest=dst, tag=tag)
 
     def _wait(self, requests: Sequence[Any]) -> float:
-        return wait_quietly(requests)
+        return wait_quietly(requests, yield_s=self.wait_yield_s)
 
     def _recv(self, src: int | None, microbatch: int, direction: int, spec: Spec) -> Payload | None:
         if src is None:
@@ -393,13 +411,33 @@ class TorchDistLink(StageLink):
         """Sends are completed at the end of the step (gloo cannot be polled)."""
 
 
-def make_link(
-    kind: str, comm: MPI.Comm, stage: int, num_stages: int, device: torch.device
-) -> StageLink:
-    """``runtime.p2p``: ``mpi``, ``torch`` (NCCL on GPU, gloo on CPU), or ``auto`` (torch on
-    CUDA, mpi on CPU)."""
+def link_wait_yield_s(setting: str, ranks_on_host: int) -> float:
+    """This rank's pipeline-wait yield window for ``runtime.wait_mode = setting``, from its
+    affinity mask and the host's cores (:mod:`dynmo_hpc.pipeline.waiting`)."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    host_cores = os.cpu_count() or 1
+    return pipeline_wait_yield_s(setting, ranks_on_host, affinity or host_cores, host_cores)
+
+
+def make_link(runtime: RuntimeSection, groups: RankGroups, device: torch.device) -> StageLink:
+    """This rank's link over its replica's pipeline communicator. ``runtime.p2p``: ``mpi``,
+    ``torch`` (NCCL on GPU, gloo on CPU), or ``auto`` (torch on CUDA, mpi on CPU). The MPI
+    link's waits yield for :func:`link_wait_yield_s` before they sleep (torch's requests block
+    in ``wait()``)."""
+    kind = runtime.p2p
     if kind == "auto":
         kind = "torch" if device.type == "cuda" else "mpi"
+    comm, topo = groups.pipeline, groups.topology
     if kind == "torch":
-        return TorchDistLink(comm, stage, num_stages, device)
-    return StageLink(comm, stage, num_stages, device)
+        return TorchDistLink(comm, topo.stage, topo.num_stages, device)
+    wait_yield_s = link_wait_yield_s(runtime.wait_mode, groups.ranks_on_host)
+    if groups.world.rank == 0:
+        log.info(
+            "pipeline waits: %s (runtime.wait_mode=%s, %d ranks on this host)",
+            f"yield the core for {wait_yield_s * 1e3:g} ms, then sleep"
+            if wait_yield_s
+            else "sleep between polls",
+            runtime.wait_mode,
+            groups.ranks_on_host,
+        )
+    return StageLink(comm, topo.stage, topo.num_stages, device, wait_yield_s)

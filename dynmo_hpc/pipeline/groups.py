@@ -34,6 +34,9 @@ class RankGroups:
     """This replica's ranks, ordered by stage (``pipeline.rank == topology.stage``)."""
     data: MPI.Comm
     """This stage's ranks, ordered by replica (``data.rank == topology.replica``)."""
+    ranks_on_host: int = 1
+    """The job's ranks on this rank's host (MPI's shared-memory split): how many share its
+    cores."""
 
 
 def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGroups:
@@ -48,4 +51,9 @@ def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGrou
     pipeline = world.Split(color=topology.replica, key=topology.stage)
     data = world.Split(color=topology.stage, key=topology.replica)
     assert pipeline.rank == topology.stage and data.rank == topology.replica
-    return RankGroups(topology=topology, world=world, pipeline=pipeline, data=data)
+    host = world.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_on_host = host.size
+    host.Free()
+    return RankGroups(
+        topology=topology, world=world, pipeline=pipeline, data=data, ranks_on_host=ranks_on_host
+    )

@@ -177,9 +177,7 @@ class Trainer:
         """This rank's stage on ``parts``, linked to its neighbours (layers built unless they
         come from a checkpoint)."""
         cfg, topo = self.cfg, self.topo
-        link = make_link(
-            cfg.runtime.p2p, self.groups.pipeline, topo.stage, topo.num_stages, self.device
-        )
+        link = make_link(cfg.runtime, self.groups, self.device)
         dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
         first_microbatch = topo.microbatches(cfg.train.num_microbatches).start
         return PipelineStage(

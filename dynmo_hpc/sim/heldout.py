@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dynmo_hpc.pipeline.waiting import WAIT_YIELD_S
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.calibration import decompose, fit_overheads, replayed_algorithm
 from dynmo_hpc.sim.machine import MachineModel
@@ -143,6 +144,7 @@ def replay_setup(
         overheads=machine.overheads,
         cores=machine.cores,
         poll_max_s=machine.poll_max_s or 0.0,
+        poll_yield_s=WAIT_YIELD_S if machine.poll_max_s else 0.0,
         packing=target.packing,
         ratios_are_external=machine.external_wall_s_per_cpu_s is not None,
         oversubscribed_wall_s_per_cpu_s=machine.oversubscribed_wall_s_per_cpu_s or 1.0,

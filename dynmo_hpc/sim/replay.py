@@ -146,6 +146,9 @@ class ReplaySetup:
     """Cores the ranks share (:mod:`dynmo_hpc.sim.shared_cores`); None: a core per stage."""
     poll_max_s: float = 0.0
     """A waiting rank's longest sleep between tests (:func:`dynmo_hpc.sim.wakeup.noticed_s`)."""
+    poll_yield_s: float = 0.0
+    """How long a wait yields its core before it sleeps, in a step whose stages each have a core
+    of their own (``runtime.wait_mode=auto``: :data:`dynmo_hpc.pipeline.waiting.WAIT_YIELD_S`)."""
     packing: PackingSetup = field(default_factory=PackingSetup)
     """What :data:`PACKING` decides with."""
     ratios_are_external: bool = False
@@ -176,8 +179,10 @@ class ReplaySetup:
             )
         if not (math.isfinite(self.comm_s) and self.comm_s >= 0):
             raise ValueError(f"comm_s={self.comm_s!r} must be finite and >= 0")
-        if not (math.isfinite(self.poll_max_s) and self.poll_max_s >= 0):
-            raise ValueError(f"poll_max_s={self.poll_max_s!r} must be finite and >= 0")
+        for name in ("poll_max_s", "poll_yield_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be finite and >= 0")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"cores={self.cores!r} must be finite and > 0")
         over = self.oversubscribed_wall_s_per_cpu_s
@@ -268,6 +273,7 @@ def _step_times_s(
             ],
             cores=cores,
             poll_max_s=setup.poll_max_s,
+            poll_yield_s=setup.poll_yield_s,
         ).step_time_s
     return out
 

@@ -99,6 +99,7 @@ def simulate_step(
     stage_overhead_s: Sequence[float] | None = None,
     cores: float | None = None,
     poll_max_s: float = 0.0,
+    poll_yield_s: float = 0.0,
 ) -> StepResult:
     """Simulate one step of ``num_microbatches`` on ``len(forward_s)`` stages.
 
@@ -116,6 +117,10 @@ def simulate_step(
             stages share the cores (:mod:`dynmo_hpc.sim.shared_cores`), the tails too.
         poll_max_s: a waiting stage's longest sleep between tests; it notices an input late by
             :func:`dynmo_hpc.sim.wakeup.noticed_s`. 0: at once.
+        poll_yield_s: where every stage has a core of its own, how long a wait yields the core
+            before it sleeps (``runtime.wait_mode``'s window,
+            :data:`dynmo_hpc.pipeline.waiting.WAIT_YIELD_S`). Stages that share cores sleep
+            at once, as ``auto`` makes them.
 
     Example: GPipe, 2 stages, 2 microbatches, forward 1 s, backward 2 s, no communication:
     ``simulate_step([1, 1], [2, 2], 2, "gpipe").step_time_s == 9.0``.
@@ -129,6 +134,7 @@ def simulate_step(
         ("comm_s", comm_s),
         ("action_overhead_s", action_overhead_s),
         ("poll_max_s", poll_max_s),
+        ("poll_yield_s", poll_yield_s),
     )
     for name, value in checked:
         if not (math.isfinite(value) and value >= 0):
@@ -153,7 +159,7 @@ def simulate_step(
         step_time_s = float(end_s.max() + tail_wall_s.max())
         busy = busy + tail_wall_s
     else:
-        end_s = _run_rounds(orders, f_s, b_s, comm_s, poll_max_s)
+        end_s = _run_rounds(orders, f_s, b_s, comm_s, poll_max_s, poll_yield_s)
         step_time_s = float(end_s.max() + tail.max())
         busy = num_microbatches * (f_s + b_s) + tail
     return StepResult(
@@ -195,7 +201,12 @@ def _dependencies(orders: StageOrders) -> npt.NDArray[np.intp]:
 
 
 def _run_rounds(
-    orders: StageOrders, fwd: FloatArray, bwd: FloatArray, comm_s: float, poll_max_s: float = 0.0
+    orders: StageOrders,
+    fwd: FloatArray,
+    bwd: FloatArray,
+    comm_s: float,
+    poll_max_s: float = 0.0,
+    poll_yield_s: float = 0.0,
 ) -> FloatArray:
     """Each stage's finish time; see the module docstring for the round structure."""
     num_stages, num_microbatches = orders.num_stages, orders.num_microbatches
@@ -219,7 +230,7 @@ def _run_rounds(
         if count == 0:
             raise ValueError("the action orders deadlock: no stage can run its next action")
         s, action = stages[ready], next_action[ready]
-        start = noticed_s(end_s[dep[ready]] + comm_s, free_s[s], poll_max_s)
+        start = noticed_s(end_s[dep[ready]] + comm_s, free_s[s], poll_max_s, poll_yield_s)
         finish = start + duration_flat[action]
         end_s[action] = finish
         finished[action] = True
