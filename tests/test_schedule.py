@@ -8,13 +8,14 @@ from dynmo_hpc.pipeline.schedule import (
     build_schedule,
     gpipe,
     one_f_one_b,
+    one_f_one_b_slack,
     theoretical_bubble_fraction,
 )
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 
 
-@pytest.mark.parametrize("fn", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("fn", [one_f_one_b, one_f_one_b_slack, gpipe])
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), SIZES)
 def test_each_microbatch_one_forward_one_backward(fn, num_stages, num_microbatches):
     for stage in range(num_stages):
@@ -63,7 +64,7 @@ def simulate(fn, num_stages: int, num_microbatches: int) -> int:
     return rounds
 
 
-@pytest.mark.parametrize("fn", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("fn", [one_f_one_b, one_f_one_b_slack, gpipe])
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), SIZES)
 def test_dependency_order_never_deadlocks(fn, num_stages, num_microbatches):
     rounds = simulate(fn, num_stages, num_microbatches)
@@ -81,11 +82,44 @@ def test_1f1b_bounds_in_flight_microbatches(num_stages, num_microbatches):
         assert peak <= min(num_stages - stage, num_microbatches)
 
 
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), SIZES)
+def test_slack_runs_one_forward_ahead_on_all_but_the_last_stage(num_stages, num_microbatches):
+    """Stage s < P-1 holds up to min(P - s + 1, M) microbatches (one more than 1F1B), the last
+    stage 1; both schedules run the same backwards in the same order."""
+    for stage in range(num_stages):
+        in_flight = peak = 0
+        actions = one_f_one_b_slack(stage, num_stages, num_microbatches)
+        for a in actions:
+            in_flight += 1 if a.kind == "F" else -1
+            peak = max(peak, in_flight)
+        extra = 1 if stage < num_stages - 1 else 0
+        assert peak == min(num_stages - stage + extra, num_microbatches)
+        plain = one_f_one_b(stage, num_stages, num_microbatches)
+        assert [a for a in actions if a.kind == "B"] == [a for a in plain if a.kind == "B"]
+
+
 def test_docstring_example_and_lookup():
     assert [str(a) for a in one_f_one_b(0, 2, 3)] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"]
     assert build_schedule("gpipe", 1, 2, 2) == gpipe(1, 2, 2)
+    slack = [str(a) for a in build_schedule("1f1b-slack", 0, 2, 3)]
+    assert slack == ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"]
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         build_schedule("zb", 0, 2, 2)
     with pytest.raises(ValueError, match="outside"):
         one_f_one_b(3, 2, 2)
     assert theoretical_bubble_fraction(2, 8) == pytest.approx(1 / 9)
+
+
+def test_memory_model_counts_the_slack_microbatch():
+    """The packing and memory model hold what the schedule holds (stage 0 is the worst)."""
+    from dynmo_hpc.balance.step_model import microbatches_in_flight
+
+    for num_stages, num_microbatches in SIZES:
+        worst = max(
+            sum(
+                1 if a.kind == "F" else -1
+                for a in one_f_one_b_slack(0, num_stages, num_microbatches)[:k]
+            )
+            for k in range(2 * num_microbatches + 1)
+        )
+        assert microbatches_in_flight(num_stages, num_microbatches, "1f1b-slack") == worst

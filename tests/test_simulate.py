@@ -113,7 +113,7 @@ def test_a_slow_middle_stage_sets_the_pace() -> None:
     assert 50 * 6.0 <= result.step_time_s <= 50 * 6.0 + 2 * 2 * 2.0
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-slack"])
 def test_orders_equal_the_trainers_action_lists(schedule: str) -> None:
     for num_stages in range(1, 9):
         for num_microbatches in range(1, 11):

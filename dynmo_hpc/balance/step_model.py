@@ -65,10 +65,13 @@ def microbatches_in_flight(num_stages: int, num_microbatches: int, schedule: str
     """The most microbatches whose activations one stage of ``num_stages`` holds at once.
 
     GPipe runs every forward before any backward: ``M``. 1F1B lets stage ``s`` start at most
-    ``P - s`` forwards before its first backward, so the worst stage (0) holds ``min(M, P)``.
+    ``P - s`` forwards before its first backward, so the worst stage (0) holds ``min(M, P)``;
+    ``1f1b-slack`` one more on every stage but the last.
     """
     if schedule == "gpipe":
         return num_microbatches
+    if schedule == "1f1b-slack" and num_stages > 1:
+        return min(num_microbatches, num_stages + 1)  # one forward ahead on all but the last
     return min(num_microbatches, num_stages)
 
 

@@ -249,8 +249,10 @@ class PipelineSection:
     replicas: int = 1
     """Data-parallel replicas of the pipeline, all on one partition: the job runs on
     ``replicas * num_stages`` ranks, and the replicas split each step's microbatches."""
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Microbatch schedule."""
+    schedule: Literal["1f1b", "1f1b-slack", "gpipe"] = "1f1b"
+    """Microbatch schedule: ``1f1b``; ``1f1b-slack`` (one more warmup forward on every stage
+    but the last, so a neighbour's delay is absorbed instead of passed on; one more microbatch
+    of activations held); ``gpipe``."""
     grad_bucket_mb: float = 25.0
     """Largest flat buffer (MiB, whole layers) one gradient all-reduce between replicas
     carries; smaller buckets start earlier in the backward (more overlap), more of them cost

@@ -62,8 +62,31 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Acti
     order as in a single-process loop (bitwise-equal results).
     """
     _check(stage, num_stages, num_microbatches)
-    num_warmup = min(num_stages - stage - 1, num_microbatches)
-    num_steady = num_microbatches - num_warmup
+    return _warmup_then_pairs(
+        stage, min(num_stages - stage - 1, num_microbatches), num_microbatches
+    )
+
+
+def one_f_one_b_slack(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """1F1B with one more warmup forward on every stage but the last (``1f1b-slack``).
+
+    Why: in 1F1B's steady state two balanced neighbours run in lockstep, each action waiting
+    for the other's last one, so every delay of one stage (a noisy core, a late wake-up) stalls
+    the other too, and a balanced split loses more to noise than an unbalanced one, whose light
+    stage waits anyway. One forward ahead gives each stage a queued input: a late neighbour is
+    absorbed instead of passed on. The price is one more microbatch of activations on each
+    stage but the last (stage ``s`` holds ``P - s + 1``). The bubble without noise is the same
+    as 1F1B's or smaller. Backwards keep microbatch order, so results are bitwise those of
+    1F1B.
+    """
+    _check(stage, num_stages, num_microbatches)
+    extra = 1 if stage < num_stages - 1 else 0
+    warmup = min(num_stages - stage - 1 + extra, num_microbatches)
+    return _warmup_then_pairs(stage, warmup, num_microbatches)
+
+
+def _warmup_then_pairs(stage: int, num_warmup: int, num_microbatches: int) -> list[Action]:
+    """``num_warmup`` forwards, then (forward, backward) pairs, then the remaining backwards."""
     actions: list[Action] = []
     next_fwd, next_bwd = 0, 0
 
@@ -73,7 +96,7 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Acti
         next_fwd += 1
 
     # Steady state: one forward, one backward.
-    for _ in range(num_steady):
+    for _ in range(num_microbatches - num_warmup):
         actions.append(Action(stage, "F", next_fwd))
         next_fwd += 1
         actions.append(Action(stage, "B", next_bwd))
@@ -86,7 +109,7 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Acti
     return actions
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES = {"1f1b": one_f_one_b, "1f1b-slack": one_f_one_b_slack, "gpipe": gpipe}
 
 
 def build_schedule(name: str, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:

@@ -56,16 +56,18 @@ def _gpipe(num_stages: int, num_microbatches: int) -> StageOrders:
     )
 
 
-def _one_f_one_b(num_stages: int, num_microbatches: int) -> StageOrders:
+def _one_f_one_b(num_stages: int, num_microbatches: int, extra: int = 0) -> StageOrders:
     """Stage ``s`` with ``w = min(P - s - 1, M)`` warmup forwards: ``w`` forwards, then
     ``M - w`` (forward, backward) pairs, then ``w`` backwards; each kind in microbatch order.
+    ``extra``: more warmup forwards on every stage but the last (1 for ``1f1b-slack``).
 
     In int32 and with one cumulative sum (the ``i``-th backward of a row is microbatch ``i``),
     because at P=2048, M=4096 these arrays hold 16.8 million entries.
     """
     m = num_microbatches
     stage = np.arange(num_stages, dtype=np.int32)[:, None]
-    warmup = np.minimum(num_stages - 1 - stage, m)
+    ahead = np.where(stage < num_stages - 1, extra, 0)  # 1f1b-slack: one more, not on the last
+    warmup = np.minimum(num_stages - 1 - stage + ahead, m)
     k = np.arange(2 * m, dtype=np.int32)[None, :]
     is_backward = (k >= 2 * m - warmup) | ((k >= warmup) & (((k + warmup) & 1) == 1))
     backwards_so_far = np.cumsum(is_backward, axis=1, dtype=np.int32)
@@ -73,7 +75,11 @@ def _one_f_one_b(num_stages: int, num_microbatches: int) -> StageOrders:
     return StageOrders(is_backward, microbatch.astype(np.int32, copy=False))
 
 
-_BUILDERS = {"1f1b": _one_f_one_b, "gpipe": _gpipe}
+def _one_f_one_b_slack(num_stages: int, num_microbatches: int) -> StageOrders:
+    return _one_f_one_b(num_stages, num_microbatches, extra=1)
+
+
+_BUILDERS = {"1f1b": _one_f_one_b, "1f1b-slack": _one_f_one_b_slack, "gpipe": _gpipe}
 
 
 def stage_orders(schedule: str, num_stages: int, num_microbatches: int) -> StageOrders:
