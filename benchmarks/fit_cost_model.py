@@ -11,7 +11,8 @@ What it does, in order:
      their sum) and the max and median relative error, then the same summary with each width
      held out in turn;
   4. --write-machine FILE puts the rates of step 2's fit (the ones the table checks) into a
-     machine file, keeping what else it holds (benchmarks/machine_2core.json here).
+     machine file, keeping what else it holds (dynmo_hpc/sim/machines/cpu_2core.json from the
+     idle-machine samples, benchmarks/machine_2core.json from the loaded-machine ones).
 
     PYTHONPATH=. .venv/bin/python benchmarks/fit_cost_model.py \\
         [--widths 32,64,128,192,256] [--shapes 64x2,128x2,128x4] [--hold-out 192] \\
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "held_out_layers_within_15_percent": f"{within} of {len(held_errors)}",
             "how": "benchmarks/fit_cost_model.py; docs/simulate.md#per-layer-cost-model",
         }
+        if args.from_samples:
+            notes["samples"] = str(args.from_samples)
         write_machine(args.write_machine, rates, notes)
         print(f"wrote the layer rates into {args.write_machine}")
     if args.json_out:
