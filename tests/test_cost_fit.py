@@ -107,16 +107,15 @@ KINDS = replace(
     index_op_overhead_s=3e-5,
     lookup_op_overhead_s=6e-5,
     weight_bytes_per_s=4e9,
-    table_bytes_per_s=1e9,
 )
-"""Rates with every optional term set: each op kind its own overhead, weights and the
-embedding's table their own bytes rates."""
+"""Rates with every optional term set: each op kind its own overhead, weights their own bytes
+rate."""
 
 
-def test_op_kind_overheads_weight_and_table_rates_are_recovered() -> None:
-    """Samples made with known per-kind op overheads and weight and table rates are fitted back
-    to them; the model without those terms (every op at one overhead, no weight or table
-    bytes) misses the same samples by far more."""
+def test_op_kind_overheads_and_weight_rate_are_recovered() -> None:
+    """Samples made with known per-kind op overheads and weight-bytes rate are fitted back to
+    them; the model without those terms (every op at one overhead, no weight bytes) misses the
+    same samples by far more."""
     samples = synthetic(KINDS)
     rates = fit_rates(samples)
     for name in (
@@ -124,7 +123,6 @@ def test_op_kind_overheads_weight_and_table_rates_are_recovered() -> None:
         "index_op_overhead_s",
         "lookup_op_overhead_s",
         "weight_bytes_per_s",
-        "table_bytes_per_s",
         "op_overhead_s",
         "flops_per_s",
     ):
@@ -136,19 +134,19 @@ def test_op_kind_overheads_weight_and_table_rates_are_recovered() -> None:
         index_op_overhead_s=None,
         lookup_op_overhead_s=None,
         weight_bytes_per_s=None,
-        table_bytes_per_s=None,
     )
     assert summarize(validate(samples, plain)).max_any > 0.2
 
 
 @pytest.mark.parametrize(
-    ("name", "max_error"),
-    [("cost_samples_2core.json", 0.21), ("cost_samples_2core_idle.json", 0.17)],
+    ("name", "within", "max_error"),
+    [("cost_samples_2core_idle.json", 36, 0.15), ("cost_samples_2core.json", 34, 0.24)],
 )
-def test_the_committed_samples_hold_out_width_192(name: str, max_error: float) -> None:
+def test_the_committed_samples_hold_out_width_192(name: str, within: int, max_error: float) -> None:
     """What docs/simulate.md reports: fitted on widths 32, 64, 128 and 256 of each committed
-    sample file, 35 of the 36 layers of width 192 are within 15 % (forward, backward and their
-    sum), the worst under ``max_error`` and the median sum under 4 %."""
+    sample file, ``within`` of the 36 layers of width 192 are within 15 % (forward, backward and
+    their sum; every one on the idle machine's samples), the worst under ``max_error`` and the
+    median sum under 5 %."""
     data = json.loads((ROOT / "benchmarks" / name).read_text())
     samples = [
         Sample(
@@ -163,10 +161,10 @@ def test_the_committed_samples_hold_out_width_192(name: str, max_error: float) -
     fit_on, held = split_width(samples, 192)
     errors = validate(held, fit_rates(fit_on))
     worst = [max(abs(e.forward_error), abs(e.backward_error), abs(e.total_error)) for e in errors]
-    assert sum(w <= 0.15 for w in worst) >= 35
+    assert sum(w <= 0.15 for w in worst) >= within
     summary = summarize(errors)
     assert summary.max_any < max_error
-    assert summary.median_total < 0.04
+    assert summary.median_total < 0.05
 
 
 def test_noise_moves_the_fit_a_little() -> None:

@@ -144,7 +144,9 @@ def test_embedding_and_head_by_hand() -> None:
     common = {"d_model": 64, "seq_len": 128, "micro_batch": 2}
     embedding = layer_cost(LayerShape(kind="embedding", **common))
     assert embedding.forward_flops == embedding.backward_flops == 0
-    assert embedding.forward_bytes == 4 * (2 * N * 64 + 128 * 64)
+    # Forward: token rows gathered (read, written), position rows gathered (read, written),
+    # their sum (both read, the sum written).
+    assert embedding.forward_bytes == 4 * ((N + N) * 64 + (128 + 128) * 64 + (N + 128 + N) * 64)
     # Backward: both tables' gradients zeroed (256 + 128 rows), the output's gradient read
     # twice (token rows, the batch sum), 128 position rows written and added.
     assert embedding.backward_bytes == 4 * (2 * N * 64 + 256 * 64 + 3 * 128 * 64)
@@ -311,9 +313,9 @@ def test_a_linear_with_a_bias_sums_its_output_gradient() -> None:
     assert lm_head.wgrad_bytes == lm_head.forward_bytes
 
 
-def test_op_kinds_weight_and_table_bytes_at_their_own_rates(tmp_path: Path) -> None:
+def test_op_kinds_and_weight_bytes_at_their_own_rates(tmp_path: Path) -> None:
     """Each op kind is charged its own overhead (the default one where unset), weights and the
-    embedding's token table their own bytes rates; the machine file carries all five."""
+    their own bytes rate; the machine file carries all four."""
     cost = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
     assert cost.forward_ops_by_kind == {"other": 7, "matmul": 5, "index": 5}
     assert sum(cost.forward_ops_by_kind.values()) == cost.forward_ops
@@ -324,7 +326,8 @@ def test_op_kinds_weight_and_table_bytes_at_their_own_rates(tmp_path: Path) -> N
     assert frozen.backward_weight_bytes == weights
     embedding = layer_cost(replace(BLOCK, kind="embedding", d_ff=0))
     assert embedding.forward_ops_by_kind == {"lookup": 3}
-    assert embedding.forward_table_bytes == embedding.backward_table_bytes == 256 * 64 * 4
+    assert embedding.forward_weight_bytes == (256 + 128) * 64 * 4  # both tables
+    assert embedding.backward_weight_bytes == 2 * embedding.forward_weight_bytes
     base = LayerRates(flops_per_s=1e9, bytes_per_s=1e8, op_overhead_s=1e-5)
     rates = replace(
         base,
@@ -332,19 +335,17 @@ def test_op_kinds_weight_and_table_bytes_at_their_own_rates(tmp_path: Path) -> N
         index_op_overhead_s=0.0,
         lookup_op_overhead_s=7e-5,
         weight_bytes_per_s=2e8,
-        table_bytes_per_s=5e7,
     )
     extra_s = 5 * 2e-5 - 5 * 1e-5 + weights / 2e8  # matmul ops dearer, index ops free
     assert layer_times_s(cost, rates)[0] == pytest.approx(layer_times_s(cost, base)[0] + extra_s)
-    table = 256 * 64 * 4
-    extra_embedding_s = 3 * 6e-5 + embedding.forward_weight_bytes / 2e8 + table / 5e7
+    extra_embedding_s = 3 * 6e-5 + embedding.forward_weight_bytes / 2e8
     assert layer_times_s(embedding, rates)[0] == pytest.approx(
         layer_times_s(embedding, base)[0] + extra_embedding_s
     )
     save_machine(MachineModel(layer_rates=rates), tmp_path / "m.json")
     assert load_machine(tmp_path / "m.json").layer_rates == rates
     data = json.loads((tmp_path / "m.json").read_text())
-    data["layer_table_bytes_per_s"] = 0
+    data["layer_weight_bytes_per_s"] = 0
     (tmp_path / "zero.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"layer_table_bytes_per_s=0.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"layer_weight_bytes_per_s=0.0 must be > 0"):
         load_machine(tmp_path / "zero.json")

@@ -7,19 +7,19 @@ small layers (dispatch and caches matter as much as peak FLOP/s), so they are fi
 measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width left out of the
 fit: the check that the model carries to shapes it was not fitted on.
 
-The fit: a pass's time is linear in twelve unknowns,
-``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + A a_att + weight_bytes w +
-table_bytes tb + sum over op kinds of ops_k o_k + c`` (``F_fwd`` and ``F_bwd`` are the matmul
+The fit: a pass's time is linear in eleven unknowns,
+``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + A a_att + weight_bytes w + sum over
+op kinds of ops_k o_k + c`` (``F_fwd`` and ``F_bwd`` are the matmul
 FLOPs outside attention, ``F_fwd`` 0 in a backward row and ``F_bwd`` in a forward one; ``A``
 the pass's attention FLOPs; ``a_f = 1 / flops_per_s``, ``a_b = 1 / backward_flops_per_s``,
 ``b = 1 / bytes_per_s``, ``i = 1 / indexed_bytes_per_s``, ``a_att = 1 /
-attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``, ``tb = 1 / table_bytes_per_s``;
+attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``;
 ``o_k`` the per-op overhead of each op kind: ``op_overhead_s`` for the ``other`` kind,
 ``matmul_op_overhead_s``, ``index_op_overhead_s``, ``lookup_op_overhead_s``; ``c =
 overhead_s``). Least squares on *relative* error (each row divided by its measured time), so
 a 0.1 ms embedding weighs as much as a 20 ms block; all unknowns >= 0 (an exact non-negative
 least squares: the best unconstrained fit over every subset of the unknowns, keeping the best
-whose values are all >= 0; twelve unknowns, 4096 small solves, well under a second). An
+whose values are all >= 0; eleven unknowns, 2048 small solves, well under a second). An
 unknown whose column is 0 in every row (no measured layer gathers anything) is left out and its
 rate left unset; a fitted 0 leaves an optional rate unset and an op kind's overhead at 0.
 Pure: numpy on the samples' numbers.
@@ -55,7 +55,6 @@ UNKNOWNS = (
     "index_op_overhead_s",
     "lookup_op_overhead_s",
     "s_per_weight_byte",
-    "s_per_table_byte",
 )
 """The fitted unknowns, in the order of :func:`features` columns."""
 
@@ -95,7 +94,6 @@ def pass_features(work: PassWork) -> list[float]:
         float(ops.get("index", 0)),
         float(ops.get("lookup", 0)),
         work.weight_bytes,
-        work.table_bytes,
     ]
 
 
@@ -169,7 +167,6 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
         index_op_overhead_s=fitted["index_op_overhead_s"] if present[8] else None,
         lookup_op_overhead_s=fitted["lookup_op_overhead_s"] if present[9] else None,
         weight_bytes_per_s=_rate(fitted["s_per_weight_byte"]),
-        table_bytes_per_s=_rate(fitted["s_per_table_byte"]),
     )
 
 

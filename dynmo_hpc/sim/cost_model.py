@@ -48,10 +48,7 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
   input gradient, its weight gradient written; an embedding's tables), counted again apart from
   the plain bytes so that a machine can charge them at a rate of their own
   (``LayerRates.weight_bytes_per_s``): between two passes of a layer the other layers run, so
-  its weights come back from memory rather than from cache;
-- table bytes: an embedding's token table, read through the token ids forward and its
-  gradient written through them backward (``vocab_size x d_model`` values each pass, however
-  few tokens): random rows of a table out of cache, at ``LayerRates.table_bytes_per_s``.
+  its weights come back from memory rather than from cache.
 
 Scheme state (:class:`SchemeState`) and what it removes:
 
@@ -209,10 +206,6 @@ class OpCost:
     """Parameter bytes read for the input gradient."""
     wgrad_weight_bytes: float = 0.0
     """Parameter-gradient bytes written (dropped when frozen)."""
-    forward_table_bytes: float = 0.0
-    """Lookup-table bytes touched forward (``LayerRates.table_bytes_per_s``)."""
-    wgrad_table_bytes: float = 0.0
-    """Lookup-table gradient bytes written backward (dropped when frozen)."""
 
     def has_forward(self) -> bool:
         """Whether the forward does any work (counts toward the forward's ops)."""
@@ -248,10 +241,6 @@ class LayerCost:
     """Parameter bytes the forward reads (:attr:`OpCost.forward_weight_bytes`)."""
     backward_weight_bytes: float = 0.0
     """Parameter bytes the backward reads and parameter-gradient bytes it writes."""
-    forward_table_bytes: float = 0.0
-    """Lookup-table bytes the forward touches (an embedding's token table)."""
-    backward_table_bytes: float = 0.0
-    """Lookup-table gradient bytes the backward writes."""
     forward_ops_by_kind: dict[str, int] = field(default_factory=dict)
     """``forward_ops`` split by :data:`OpKind` (kinds with no op left out)."""
     backward_ops_by_kind: dict[str, int] = field(default_factory=dict)
@@ -266,7 +255,6 @@ class LayerCost:
                 indexed_bytes=self.backward_indexed_bytes,
                 attention_flops=self.backward_attention_flops,
                 weight_bytes=self.backward_weight_bytes,
-                table_bytes=self.backward_table_bytes,
                 ops_by_kind=self.backward_ops_by_kind,
                 backward=True,
             )
@@ -276,7 +264,6 @@ class LayerCost:
             indexed_bytes=self.forward_indexed_bytes,
             attention_flops=self.forward_attention_flops,
             weight_bytes=self.forward_weight_bytes,
-            table_bytes=self.forward_table_bytes,
             ops_by_kind=self.forward_ops_by_kind,
             backward=False,
         )
@@ -286,15 +273,14 @@ class LayerCost:
 class PassWork:
     """One pass's work (forward or backward of one microbatch), what :func:`pass_time_s` and the
     fit (:func:`dynmo_hpc.sim.cost_fit.features`) read; ``attention_flops`` is the part of
-    ``flops`` in attention's products, ``weight_bytes`` and ``table_bytes`` parts of the bytes
-    charged again at their own rates."""
+    ``flops`` in attention's products, ``weight_bytes`` the part of the bytes charged again at
+    ``LayerRates.weight_bytes_per_s``."""
 
     flops: float = 0.0
     nbytes: float = 0.0
     indexed_bytes: float = 0.0
     attention_flops: float = 0.0
     weight_bytes: float = 0.0
-    table_bytes: float = 0.0
     ops_by_kind: dict[str, int] = field(default_factory=dict)
     backward: bool = False
     """The backward: its matmul FLOPs at ``LayerRates.backward_flops_per_s`` when set."""
@@ -547,19 +533,19 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
 
 
 def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
-    """Token plus position lookup: rows read and summed forward; backward (weight gradient
-    only: the input is token ids) zero-fills both tables' gradients (``vocab_size + seq_len``
-    rows, however few tokens), adds the output's gradient into the token table's rows (one read
-    of it; the table stays in cache), sums it over the batch for the position table (a second
-    read, ``seq_len`` rows written) and adds those in; three operations (two lookups and the
-    sum). Weight bytes: both tables forward (their rows come out of memory), and their
-    gradients backward twice (zero-filled, then the rows added in); table bytes: the token
-    table once a pass (``vocab_size`` rows read through the ids, or their gradients written)."""
+    """Token plus position lookup: three kernels forward, each operand once per kernel as for
+    every op here (the token rows gathered: read and written; the position rows gathered: read
+    and written; their sum: both read, the sum written: ``4 n c + 3 t c`` values); backward
+    (weight gradient only: the input is token ids) zero-fills both tables' gradients
+    (``vocab_size + seq_len`` rows, however few tokens), adds the output's gradient into the
+    token table's rows (one read of it; the table stays in cache), sums it over the batch for
+    the position table (a second read, ``seq_len`` rows written) and adds those in; three
+    operations (two lookups and the sum). Weight bytes: both tables forward (their rows come
+    out of memory), and their gradients backward twice (zero-filled, then the rows added in)."""
     n, c, t = shape.micro_batch * shape.seq_len, shape.d_model, shape.seq_len
-    forward = (2 * n * c + t * c) * BYTES_PER_VALUE
+    forward = (4 * n * c + 3 * t * c) * BYTES_PER_VALUE
     backward = (2 * n * c + shape.vocab_size * c + 3 * t * c) * BYTES_PER_VALUE
     tables = (shape.vocab_size + t) * c * BYTES_PER_VALUE
-    token_table = shape.vocab_size * c * BYTES_PER_VALUE
     lookup = OpCost(
         0.0,
         forward,
@@ -571,8 +557,6 @@ def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
         kind="lookup",
         forward_weight_bytes=tables,
         wgrad_weight_bytes=2 * tables,
-        forward_table_bytes=token_table,
-        wgrad_table_bytes=token_table,
     )
     return {"lookup": lookup}
 
@@ -625,7 +609,6 @@ def _forward_totals(ops: list[OpCost]) -> dict[str, Any]:
         "forward_indexed_bytes": sum(op.forward_indexed_bytes for op in ops),
         "forward_attention_flops": sum(op.forward_flops for op in ops if op.attention),
         "forward_weight_bytes": sum(op.forward_weight_bytes for op in ops),
-        "forward_table_bytes": sum(op.forward_table_bytes for op in ops),
         "forward_ops": sum(by_kind.values()),
         "forward_ops_by_kind": by_kind,
     }
@@ -651,7 +634,6 @@ def _backward_totals(ops: list[OpCost], state: SchemeState) -> dict[str, Any]:
         "backward_weight_bytes": sum(
             op.dgrad_weight_bytes + wgrad * op.wgrad_weight_bytes for op in ops
         ),
-        "backward_table_bytes": sum(wgrad * op.wgrad_table_bytes for op in ops),
         "backward_ops": sum(by_kind.values()),
         "backward_ops_by_kind": by_kind,
     }
@@ -671,12 +653,12 @@ def op_overhead_s(kind: str, rates: LayerRates) -> float:
 def pass_time_s(work: PassWork, rates: LayerRates) -> float:
     """Seconds of one pass: ``(flops - attention_flops) / flops_per_s + attention_flops /
     attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s +
-    weight_bytes / weight_bytes_per_s + table_bytes / table_bytes_per_s + sum over op kinds of
-    ops * that kind's op overhead + overhead_s``; the backward's matmul FLOPs at
+    weight_bytes / weight_bytes_per_s + sum over op kinds of ops * that kind's op overhead +
+    overhead_s``; the backward's matmul FLOPs at
     ``rates.backward_flops_per_s`` when set, attention's at the matmul rate when
     ``rates.attention_flops_per_s`` is unset, indexed bytes at ``bytes_per_s`` when
-    ``indexed_bytes_per_s`` is unset, weight and table bytes not charged again when their rates
-    are unset; 0 for a pass with no work (a frozen prefix's backward is not run at all)."""
+    ``indexed_bytes_per_s`` is unset, weight bytes not charged again when ``weight_bytes_per_s`` is
+    unset; 0 for a pass with no work (a frozen prefix's backward is not run at all)."""
     if work.empty:
         return 0.0
     flops_per_s = rates.flops_per_s
@@ -685,7 +667,6 @@ def pass_time_s(work: PassWork, rates: LayerRates) -> float:
     attention_per_s = rates.attention_flops_per_s or flops_per_s
     indexed_per_s = rates.indexed_bytes_per_s or rates.bytes_per_s
     weight_s = work.weight_bytes / rates.weight_bytes_per_s if rates.weight_bytes_per_s else 0.0
-    table_s = work.table_bytes / rates.table_bytes_per_s if rates.table_bytes_per_s else 0.0
     ops_s = sum(n * op_overhead_s(kind, rates) for kind, n in work.ops_by_kind.items())
     return (
         (work.flops - work.attention_flops) / flops_per_s
@@ -693,7 +674,6 @@ def pass_time_s(work: PassWork, rates: LayerRates) -> float:
         + work.nbytes / rates.bytes_per_s
         + work.indexed_bytes / indexed_per_s
         + weight_s
-        + table_s
         + ops_s
         + rates.overhead_s
     )

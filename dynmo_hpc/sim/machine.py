@@ -100,9 +100,6 @@ class LayerRates:
     """Bytes per second at which a pass reads its parameters (and the backward writes their
     gradients) on top of their share of ``bytes_per_s``: between two passes of a layer the
     other layers run, so its weights come back from memory; None: not charged again."""
-    table_bytes_per_s: float | None = None
-    """Bytes per second of an embedding's token table, read through the ids forward and its
-    gradient written through them backward (random rows, out of cache); None: not charged."""
 
     def check(self) -> None:
         """Raise ValueError unless every rate is finite and > 0 and the overheads >= 0."""
@@ -113,7 +110,6 @@ class LayerRates:
             "indexed_bytes_per_s",
             "attention_flops_per_s",
             "weight_bytes_per_s",
-            "table_bytes_per_s",
         )
         for name in rates:
             value = getattr(self, name)
@@ -168,7 +164,7 @@ class MachineModel:
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
     ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``, ``layer_attention_flops_per_s``,
     ``layer_matmul_op_overhead_s``, ``layer_index_op_overhead_s``, ``layer_lookup_op_overhead_s``,
-    ``layer_weight_bytes_per_s``, ``layer_table_bytes_per_s``); None: the file has none."""
+    ``layer_weight_bytes_per_s``); None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -234,7 +230,6 @@ _OPTIONAL_RATE_KEYS = {
     "layer_index_op_overhead_s": "index_op_overhead_s",
     "layer_lookup_op_overhead_s": "lookup_op_overhead_s",
     "layer_weight_bytes_per_s": "weight_bytes_per_s",
-    "layer_table_bytes_per_s": "table_bytes_per_s",
 }
 _OPTIONAL_KEYS = (
     "latency_s",
