@@ -200,9 +200,11 @@ def test_bad_samples_are_refused() -> None:
         summarize([])
 
 
-@pytest.mark.parametrize("name", ["machine_2core.json", "machine_h200.json"])
-def test_the_shipped_machine_files_carry_layer_rates(name: str) -> None:
-    model = load_machine(ROOT / "benchmarks" / name)
+@pytest.mark.parametrize(
+    "path", ["dynmo_hpc/sim/machines/cpu_2core.json", "benchmarks/machine_h200.json"]
+)
+def test_the_shipped_machine_files_carry_layer_rates(path: str) -> None:
+    model = load_machine(ROOT / path)
     assert model.layer_rates is not None
     assert model.notes is not None
     forward_s, backward_s = layer_times_s(
