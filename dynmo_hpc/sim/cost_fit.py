@@ -1,27 +1,26 @@
 """Fit a machine's per-layer rates on measured layers, and check them on layers the fit never saw.
 
-Why: :mod:`dynmo_hpc.sim.cost_model` gives each layer's FLOPs, bytes, indexed bytes and ops per
-pass; what a pass costs in seconds on a machine is those times the machine's
-:class:`~dynmo_hpc.sim.machine.LayerRates`. The rates are not datasheet figures on a CPU running
-small layers (dispatch and caches matter as much as peak FLOP/s), so they are fitted on real
-measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width left out of the
-fit: the check that the model carries to shapes it was not fitted on.
+Why: :mod:`dynmo_hpc.sim.cost_model` gives each layer's FLOPs, bytes, indexed bytes, weight
+bytes and ops of each kind per pass; what a pass costs in seconds on a machine is those times
+the machine's :class:`~dynmo_hpc.sim.machine.LayerRates`. The rates are not datasheet figures
+on a CPU running small layers (dispatch and caches matter as much as peak FLOP/s), so they are
+fitted on real measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width
+left out of the fit: the check that the model carries to shapes it was not fitted on.
 
-The fit: a pass's time is linear in eleven unknowns,
-``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + A a_att + weight_bytes w + sum over
-op kinds of ops_k o_k + c`` (``F_fwd`` and ``F_bwd`` are the matmul
-FLOPs outside attention, ``F_fwd`` 0 in a backward row and ``F_bwd`` in a forward one; ``A``
-the pass's attention FLOPs; ``a_f = 1 / flops_per_s``, ``a_b = 1 / backward_flops_per_s``,
-``b = 1 / bytes_per_s``, ``i = 1 / indexed_bytes_per_s``, ``a_att = 1 /
-attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``;
-``o_k`` the per-op overhead of each op kind: ``op_overhead_s`` for the ``other`` kind,
-``matmul_op_overhead_s``, ``index_op_overhead_s``, ``lookup_op_overhead_s``; ``c =
-overhead_s``). Least squares on *relative* error (each row divided by its measured time), so
-a 0.1 ms embedding weighs as much as a 20 ms block; all unknowns >= 0 (an exact non-negative
-least squares: the best unconstrained fit over every subset of the unknowns, keeping the best
-whose values are all >= 0; eleven unknowns, 2048 small solves, well under a second). An
-unknown whose column is 0 in every row (no measured layer gathers anything) is left out and its
-rate left unset; a fitted 0 leaves an optional rate unset and an op kind's overhead at 0.
+The fit: a pass's time is linear in eleven unknowns, ``t = F_fwd a_f + F_bwd a_b + bytes b +
+indexed_bytes i + A a_att + weight_bytes w + sum over op kinds of ops_k o_k + c`` (``F_fwd``
+and ``F_bwd`` are the matmul FLOPs outside attention, ``F_fwd`` 0 in a backward row and
+``F_bwd`` in a forward one; ``A`` the pass's attention FLOPs; ``a_f = 1 / flops_per_s``,
+``a_b = 1 / backward_flops_per_s``, ``b = 1 / bytes_per_s``, ``i = 1 / indexed_bytes_per_s``,
+``a_att = 1 / attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``; ``o_k`` the per-op
+overhead of each op kind: ``op_overhead_s`` for the ``other`` kind, ``matmul_op_overhead_s``,
+``index_op_overhead_s``, ``lookup_op_overhead_s``; ``c = overhead_s``). Least squares on
+*relative* error (each row divided by its measured time), so a 0.1 ms embedding weighs as much
+as a 20 ms block; all unknowns >= 0 (an exact non-negative least squares: the best
+unconstrained fit over every subset of the unknowns, keeping the best whose values are all
+>= 0; eleven unknowns, 2048 small solves, well under a second). An unknown whose column is 0
+in every row (no measured layer gathers anything) is left out and its rate left unset; a
+fitted 0 leaves an optional rate unset and an op kind's overhead at 0.
 Pure: numpy on the samples' numbers.
 """
 
@@ -147,8 +146,13 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
         rows.append([v / sample.forward_s for v in forward])
         rows.append([v / sample.backward_s for v in backward])
     a = np.array(rows)
-    present = [bool(v) for v in np.any(a != 0, axis=0)]
+    present = dict(zip(UNKNOWNS, (bool(v) for v in np.any(a != 0, axis=0)), strict=True))
     fitted = dict(zip(UNKNOWNS, (float(v) for v in _solve(a)), strict=True))
+
+    def kind_overhead(name: str) -> float | None:
+        """An op kind's overhead; None (the default op overhead) when no sample has the kind."""
+        return fitted[name] if present[name] else None
+
     for name in ("forward_s_per_flop", "backward_s_per_flop", "s_per_byte"):
         if fitted[name] <= 0:
             raise ValueError(
@@ -163,9 +167,9 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
         op_overhead_s=fitted["op_overhead_s"],
         overhead_s=fitted["overhead_s"],
         attention_flops_per_s=_rate(fitted["attention_s_per_flop"]),
-        matmul_op_overhead_s=fitted["matmul_op_overhead_s"] if present[7] else None,
-        index_op_overhead_s=fitted["index_op_overhead_s"] if present[8] else None,
-        lookup_op_overhead_s=fitted["lookup_op_overhead_s"] if present[9] else None,
+        matmul_op_overhead_s=kind_overhead("matmul_op_overhead_s"),
+        index_op_overhead_s=kind_overhead("index_op_overhead_s"),
+        lookup_op_overhead_s=kind_overhead("lookup_op_overhead_s"),
         weight_bytes_per_s=_rate(fitted["s_per_weight_byte"]),
     )
 

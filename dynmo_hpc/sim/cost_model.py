@@ -89,7 +89,6 @@ OpKind = Literal["matmul", "index", "lookup", "other"]
 """What an op is, for its per-op cost: a matmul (``nn.Linear``), index bookkeeping (gathers,
 scatters, top-k, masks of token selection), an embedding lookup, or anything else (LayerNorm,
 GELU, softmax, residual adds, attention)."""
-OP_KINDS: tuple[OpKind, ...] = ("matmul", "index", "lookup", "other")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,8 +189,8 @@ class OpCost:
     """Bytes moved by gathers and scatters in the input-gradient backward."""
     count: int = 1
     """Operations this entry stands for in the forward (a kernel's loop, two lookups): what
-    ``LayerRates.op_overhead_s`` is charged for. An op is about a Linear's or a LayerNorm's
-    dispatch: a module call and a few small kernels."""
+    the per-op overhead of its :attr:`kind` is charged for. An op is about a Linear's or a
+    LayerNorm's dispatch: a module call and a few small kernels."""
     backward_count: int | None = None
     """Operations in the backward; None: ``count``. Index bookkeeping (masks, positions, top-k)
     runs forward only."""
@@ -230,7 +229,7 @@ class LayerCost:
     forward_indexed_bytes: float = 0.0
     backward_indexed_bytes: float = 0.0
     forward_ops: int = 0
-    """Operations with forward work (each charged ``LayerRates.op_overhead_s``)."""
+    """Operations with forward work (each charged its kind's per-op overhead)."""
     backward_ops: int = 0
     """Operations with backward work (0 in a frozen prefix)."""
     forward_attention_flops: float = 0.0
@@ -241,9 +240,10 @@ class LayerCost:
     """Parameter bytes the forward reads (:attr:`OpCost.forward_weight_bytes`)."""
     backward_weight_bytes: float = 0.0
     """Parameter bytes the backward reads and parameter-gradient bytes it writes."""
-    forward_ops_by_kind: dict[str, int] = field(default_factory=dict)
-    """``forward_ops`` split by :data:`OpKind` (kinds with no op left out)."""
-    backward_ops_by_kind: dict[str, int] = field(default_factory=dict)
+    forward_ops_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
+    """``forward_ops`` split by :data:`OpKind` (kinds with no op left out; derived from
+    ``ops``, so left out of comparisons like it)."""
+    backward_ops_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
     """``backward_ops`` split by :data:`OpKind`."""
 
     def pass_work(self, backward: bool) -> PassWork:
