@@ -11,7 +11,10 @@ What it does, in order:
      their sum) and the max and median relative error, then the same summary with each width
      held out in turn;
   4. --write-machine FILE puts the rates of step 2's fit (the ones the table checks) into a
-     machine file, keeping what else it holds (benchmarks/machine_2core.json here).
+     machine file, keeping what else it holds: dynmo_hpc/sim/machines/cpu_2core.json, the
+     calibration `dynmo-hpc simulate` ships for this machine (benchmarks/heldout_sim.py
+     --write-machine keeps these rates when it rewrites that file), from the idle-machine
+     samples benchmarks/cost_samples_2core_idle.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fit_cost_model.py \\
         [--widths 32,64,128,192,256] [--shapes 64x2,128x2,128x4] [--hold-out 192] \\
@@ -128,6 +131,13 @@ def summary_line(name: str, s: ErrorSummary) -> str:
     )
 
 
+def within_15(errors: list[LayerError]) -> int:
+    """Layers whose forward, backward and sum are all within 15 % of measured."""
+    return sum(
+        max(abs(e.forward_error), abs(e.backward_error), abs(e.total_error)) <= 0.15 for e in errors
+    )
+
+
 def write_machine(path: Path, rates: LayerRates, notes: dict[str, Any]) -> None:
     """Merge the layer rates and their provenance into ``path`` (created if missing)."""
     model = load_machine(path) if path.exists() else MachineModel()
@@ -180,16 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(held_errors)
     main_summary = summarize(held_errors)
     print(summary_line(f"held-out width {args.hold_out}", main_summary))
-    within = sum(
-        max(abs(e.forward_error), abs(e.backward_error), abs(e.total_error)) <= 0.15
-        for e in held_errors
-    )
+    within = within_15(held_errors)
     print(f"{within} of {len(held_errors)} layers within 15 % (forward, backward and sum)")
     loo = {}
     for width in sorted({s.shape.d_model for s in samples}):
         rest, out = split_width(samples, width)
-        loo[width] = summarize(validate(out, fit_rates(rest)))
-        print(summary_line(f"  width {width} held out", loo[width]))
+        errors = validate(out, fit_rates(rest))
+        loo[width] = summarize(errors)
+        line = summary_line(f"  width {width} held out", loo[width])
+        print(f"{line}; {within_15(errors)} within 15 %")
     if args.write_machine:
         notes = {
             **measured_with,
@@ -200,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             "held_out_layers_within_15_percent": f"{within} of {len(held_errors)}",
             "how": "benchmarks/fit_cost_model.py; docs/simulate.md#per-layer-cost-model",
         }
+        if args.from_samples:
+            notes["samples"] = str(args.from_samples)
         write_machine(args.write_machine, rates, notes)
         print(f"wrote the layer rates into {args.write_machine}")
     if args.json_out:

@@ -298,6 +298,21 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def keep_layer_rates(machine: MachineModel, path: Path) -> MachineModel:
+    """``machine`` with the per-layer cost model's rates (and their notes) that ``path``
+    already holds: benchmarks/fit_cost_model.py writes those into the same file, and this
+    script's calibration must not drop them (the base machine has none)."""
+    if not path.exists():
+        return machine
+    existing = load_machine(path)
+    if existing.layer_rates is None:
+        return machine
+    notes = dict(machine.notes or {})
+    if existing.notes and "layer_rates" in existing.notes:
+        notes["layer_rates"] = existing.notes["layer_rates"]
+    return dataclasses.replace(machine, layer_rates=existing.layer_rates, notes=notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs-dir", type=Path, default=Path("/tmp/heldout_runs"))
@@ -348,6 +363,8 @@ def main() -> None:
         base,
         notes={"how": "benchmarks/heldout_sim.py", "measured": time.strftime("%Y-%m-%d %H:%M")},
     )
+    if args.write_machine:
+        machine = keep_layer_rates(machine, args.write_machine)
     with tempfile.TemporaryDirectory() as tmp:
         machine_file = args.write_machine or Path(tmp) / "machine.json"
         save_machine(machine, machine_file)

@@ -4,6 +4,7 @@ scheme's state removes. No fitted constants: these check the arithmetic, not a m
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from dynmo_hpc.sim.cost_model import (
     GROUP_OPS,
     RANK_OPS,
     LayerShape,
+    PassWork,
     SchemeState,
     elementwise,
     layer_cost,
@@ -142,7 +144,9 @@ def test_embedding_and_head_by_hand() -> None:
     common = {"d_model": 64, "seq_len": 128, "micro_batch": 2}
     embedding = layer_cost(LayerShape(kind="embedding", **common))
     assert embedding.forward_flops == embedding.backward_flops == 0
-    assert embedding.forward_bytes == 4 * (2 * N * 64 + 128 * 64)
+    # Forward: token rows gathered (read, written), position rows gathered (read, written),
+    # their sum (both read, the sum written).
+    assert embedding.forward_bytes == 4 * ((N + N) * 64 + (128 + 128) * 64 + (N + 128 + N) * 64)
     # Backward: both tables' gradients zeroed (256 + 128 rows), the output's gradient read
     # twice (token rows, the batch sum), 128 position rows written and added.
     assert embedding.backward_bytes == 4 * (2 * N * 64 + 256 * 64 + 3 * 128 * 64)
@@ -155,7 +159,7 @@ def test_embedding_and_head_by_hand() -> None:
 
 def test_times_from_the_rates() -> None:
     rates = LayerRates(flops_per_s=1e9, bytes_per_s=1e8, overhead_s=1e-4)
-    assert pass_time_s(2e9, 1e8, rates) == pytest.approx(3.0001)
+    assert pass_time_s(PassWork(flops=2e9, nbytes=1e8), rates) == pytest.approx(3.0001)
     cost = layer_cost(BLOCK, SchemeState(frozen=True, frozen_prefix=True))
     forward_s, backward_s = layer_times_s(cost, rates)
     assert forward_s == pytest.approx(cost.forward_flops / 1e9 + cost.forward_bytes / 1e8 + 1e-4)
@@ -164,9 +168,10 @@ def test_times_from_the_rates() -> None:
 
 def test_attention_flops_at_their_own_rate() -> None:
     rates = LayerRates(flops_per_s=1e9, bytes_per_s=1e8, attention_flops_per_s=2.5e8)
-    assert pass_time_s(2e9, 0.0, rates, attention_flops=5e8) == pytest.approx(1.5 + 2.0)
+    work = PassWork(flops=2e9, attention_flops=5e8)
+    assert pass_time_s(work, rates) == pytest.approx(1.5 + 2.0)
     unset = LayerRates(flops_per_s=1e9, bytes_per_s=1e8)  # None: the matmul rate
-    assert pass_time_s(2e9, 0.0, unset, attention_flops=5e8) == pytest.approx(2.0)
+    assert pass_time_s(work, unset) == pytest.approx(2.0)
     cost = layer_cost(BLOCK)
     forward_s, _ = layer_times_s(cost, rates)
     matmul_s = (cost.forward_flops - ATTENTION) / 1e9
@@ -306,3 +311,41 @@ def test_a_linear_with_a_bias_sums_its_output_gradient() -> None:
     head = LayerShape(kind="head", d_model=64, seq_len=128, micro_batch=2)
     lm_head = layer_cost(head).ops["lm_head"]  # bias=False in the model
     assert lm_head.wgrad_bytes == lm_head.forward_bytes
+
+
+def test_op_kinds_and_weight_bytes_at_their_own_rates(tmp_path: Path) -> None:
+    """Each op kind is charged its own overhead (the default one where unset), weights and the
+    their own bytes rate; the machine file carries all four."""
+    cost = layer_cost(BLOCK, SchemeState(tokens_kept=0.5))
+    assert cost.forward_ops_by_kind == {"other": 7, "matmul": 5, "index": 5}
+    assert sum(cost.forward_ops_by_kind.values()) == cost.forward_ops
+    weights = (64 * 64 + 64 * 128 + 64 * 64 + 2 * 64 * 256) * 4
+    assert cost.forward_weight_bytes == weights
+    assert cost.backward_weight_bytes == 2 * weights  # read for dX, dW written
+    frozen = layer_cost(BLOCK, SchemeState(frozen=True))
+    assert frozen.backward_weight_bytes == weights
+    embedding = layer_cost(replace(BLOCK, kind="embedding", d_ff=0))
+    assert embedding.forward_ops_by_kind == {"lookup": 3}
+    assert embedding.forward_weight_bytes == (256 + 128) * 64 * 4  # both tables
+    assert embedding.backward_weight_bytes == 2 * embedding.forward_weight_bytes
+    base = LayerRates(flops_per_s=1e9, bytes_per_s=1e8, op_overhead_s=1e-5)
+    rates = replace(
+        base,
+        matmul_op_overhead_s=3e-5,
+        index_op_overhead_s=0.0,
+        lookup_op_overhead_s=7e-5,
+        weight_bytes_per_s=2e8,
+    )
+    extra_s = 5 * 2e-5 - 5 * 1e-5 + weights / 2e8  # matmul ops dearer, index ops free
+    assert layer_times_s(cost, rates)[0] == pytest.approx(layer_times_s(cost, base)[0] + extra_s)
+    extra_embedding_s = 3 * 6e-5 + embedding.forward_weight_bytes / 2e8
+    assert layer_times_s(embedding, rates)[0] == pytest.approx(
+        layer_times_s(embedding, base)[0] + extra_embedding_s
+    )
+    save_machine(MachineModel(layer_rates=rates), tmp_path / "m.json")
+    assert load_machine(tmp_path / "m.json").layer_rates == rates
+    data = json.loads((tmp_path / "m.json").read_text())
+    data["layer_weight_bytes_per_s"] = 0
+    (tmp_path / "zero.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"layer_weight_bytes_per_s=0.0 must be > 0"):
+        load_machine(tmp_path / "zero.json")

@@ -31,6 +31,7 @@ from dynmo_hpc.sim.machine import (
     Overheads,
     load_machine,
     machine_from_json,
+    save_machine,
     shipped_machine_path,
 )
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, time_sliced
@@ -427,3 +428,23 @@ def test_heldout_script_keeps_calibration_and_held_out_apart(tmp_path: Path) -> 
     assert hidden.model.layer_d_ff is not None  # jobs/imbalanced.yaml
     assert (hidden.pipeline.num_stages, hidden.train.num_microbatches) == (3, 6)
     assert hidden.balance.algorithm == "static"
+
+
+def test_heldout_script_keeps_the_layer_rates_of_the_file_it_rewrites(tmp_path: Path) -> None:
+    """The shipped calibration is one file two scripts write: heldout_sim's calibration (whose
+    base machine has no layer rates) must keep the per-layer rates fit_cost_model.py put there,
+    and their notes; a file without rates stays without."""
+    script: object = _heldout_script()
+    keep = script.keep_layer_rates  # type: ignore[attr-defined]
+    shipped = load_machine(SHIPPED / "cpu_2core.json")
+    assert shipped.layer_rates is not None and shipped.notes is not None
+    target = tmp_path / "cpu.json"
+    save_machine(shipped, target)
+    fitted = MachineModel(cores=2.0, notes={"how": "benchmarks/heldout_sim.py"})
+    kept = keep(fitted, target)
+    assert kept.layer_rates == shipped.layer_rates
+    assert kept.notes["layer_rates"] == shipped.notes["layer_rates"]
+    assert kept.notes["how"] == "benchmarks/heldout_sim.py" and kept.cores == 2.0
+    save_machine(fitted, target)
+    assert keep(fitted, target).layer_rates is None
+    assert keep(fitted, tmp_path / "missing.json") == fitted

@@ -1,24 +1,27 @@
 """Fit a machine's per-layer rates on measured layers, and check them on layers the fit never saw.
 
-Why: :mod:`dynmo_hpc.sim.cost_model` gives each layer's FLOPs, bytes, indexed bytes and ops per
-pass; what a pass costs in seconds on a machine is those times the machine's
-:class:`~dynmo_hpc.sim.machine.LayerRates`. The rates are not datasheet figures on a CPU running
-small layers (dispatch and caches matter as much as peak FLOP/s), so they are fitted on real
-measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width left out of the
-fit: the check that the model carries to shapes it was not fitted on.
+Why: :mod:`dynmo_hpc.sim.cost_model` gives each layer's FLOPs, bytes, indexed bytes, weight
+bytes and ops of each kind per pass; what a pass costs in seconds on a machine is those times
+the machine's :class:`~dynmo_hpc.sim.machine.LayerRates`. The rates are not datasheet figures
+on a CPU running small layers (dispatch and caches matter as much as peak FLOP/s), so they are
+fitted on real measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width
+left out of the fit: the check that the model carries to shapes it was not fitted on.
 
-The fit: a pass's time is linear in seven unknowns,
-``t = F_fwd a_f + F_bwd a_b + bytes b + indexed_bytes i + ops o + c + A a_att`` (``F_fwd`` and
-``F_bwd`` are the matmul FLOPs outside attention, ``F_fwd`` 0 in a backward row and ``F_bwd``
-in a forward one; ``A`` the pass's attention FLOPs; ``a_f = 1 / flops_per_s``,
+The fit: a pass's time is linear in eleven unknowns, ``t = F_fwd a_f + F_bwd a_b + bytes b +
+indexed_bytes i + A a_att + weight_bytes w + sum over op kinds of ops_k o_k + c`` (``F_fwd``
+and ``F_bwd`` are the matmul FLOPs outside attention, ``F_fwd`` 0 in a backward row and
+``F_bwd`` in a forward one; ``A`` the pass's attention FLOPs; ``a_f = 1 / flops_per_s``,
 ``a_b = 1 / backward_flops_per_s``, ``b = 1 / bytes_per_s``, ``i = 1 / indexed_bytes_per_s``,
-``o = op_overhead_s``, ``c = overhead_s``, ``a_att = 1 / attention_flops_per_s``). Least
-squares on *relative* error (each row divided by its measured time), so a 0.1 ms embedding
-weighs as much as a 20 ms block; all unknowns >= 0 (an exact non-negative least squares: the
-best unconstrained fit over every subset of the unknowns, keeping the best whose values are
-all >= 0; seven unknowns, 128 small solves). An
-unknown whose column is 0 in every row (no measured layer gathers anything) is left out and its
-rate left unset. Pure: numpy on the samples' numbers.
+``a_att = 1 / attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``; ``o_k`` the per-op
+overhead of each op kind: ``op_overhead_s`` for the ``other`` kind, ``matmul_op_overhead_s``,
+``index_op_overhead_s``, ``lookup_op_overhead_s``; ``c = overhead_s``). Least squares on
+*relative* error (each row divided by its measured time), so a 0.1 ms embedding weighs as much
+as a 20 ms block; all unknowns >= 0 (an exact non-negative least squares: the best
+unconstrained fit over every subset of the unknowns, keeping the best whose values are all
+>= 0; eleven unknowns, 2048 small solves, well under a second). An unknown whose column is 0
+in every row (no measured layer gathers anything) is left out and its rate left unset; a
+fitted 0 leaves an optional rate unset and an op kind's overhead at 0.
+Pure: numpy on the samples' numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynmo_hpc.sim.cost_model import LayerShape, SchemeState, layer_cost, layer_times_s
+from dynmo_hpc.sim.cost_model import (
+    LayerShape,
+    PassWork,
+    SchemeState,
+    layer_cost,
+    layer_times_s,
+)
 from dynmo_hpc.sim.machine import LayerRates
 
 UNKNOWNS = (
@@ -41,6 +50,10 @@ UNKNOWNS = (
     "op_overhead_s",
     "overhead_s",
     "attention_s_per_flop",
+    "matmul_op_overhead_s",
+    "index_op_overhead_s",
+    "lookup_op_overhead_s",
+    "s_per_weight_byte",
 )
 """The fitted unknowns, in the order of :func:`features` columns."""
 
@@ -64,28 +77,29 @@ class Sample:
                 raise ValueError(f"sample {self.label}: {name}={value!r} must be > 0")
 
 
+def pass_features(work: PassWork) -> list[float]:
+    """One pass's row of the fit's design matrix (:data:`UNKNOWNS`)."""
+    matmul = work.flops - work.attention_flops
+    ops = work.ops_by_kind
+    return [
+        0.0 if work.backward else matmul,
+        matmul if work.backward else 0.0,
+        work.nbytes,
+        work.indexed_bytes,
+        float(ops.get("other", 0)),
+        1.0,
+        work.attention_flops,
+        float(ops.get("matmul", 0)),
+        float(ops.get("index", 0)),
+        float(ops.get("lookup", 0)),
+        work.weight_bytes,
+    ]
+
+
 def features(sample: Sample) -> tuple[list[float], list[float]]:
     """The forward row and the backward row of the fit's design matrix (:data:`UNKNOWNS`)."""
     cost = layer_cost(sample.shape, sample.state)
-    forward = [
-        cost.forward_flops - cost.forward_attention_flops,
-        0.0,
-        cost.forward_bytes,
-        cost.forward_indexed_bytes,
-        float(cost.forward_ops),
-        1.0,
-        cost.forward_attention_flops,
-    ]
-    backward = [
-        0.0,
-        cost.backward_flops - cost.backward_attention_flops,
-        cost.backward_bytes,
-        cost.backward_indexed_bytes,
-        float(cost.backward_ops),
-        1.0,
-        cost.backward_attention_flops,
-    ]
-    return forward, backward
+    return pass_features(cost.pass_work(False)), pass_features(cost.pass_work(True))
 
 
 def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -132,24 +146,37 @@ def fit_rates(samples: Sequence[Sample]) -> LayerRates:
         rows.append([v / sample.forward_s for v in forward])
         rows.append([v / sample.backward_s for v in backward])
     a = np.array(rows)
+    present = dict(zip(UNKNOWNS, (bool(v) for v in np.any(a != 0, axis=0)), strict=True))
     fitted = dict(zip(UNKNOWNS, (float(v) for v in _solve(a)), strict=True))
+
+    def kind_overhead(name: str) -> float | None:
+        """An op kind's overhead; None (the default op overhead) when no sample has the kind."""
+        return fitted[name] if present[name] else None
+
     for name in ("forward_s_per_flop", "backward_s_per_flop", "s_per_byte"):
         if fitted[name] <= 0:
             raise ValueError(
                 f"the fit leaves {name}={fitted[name]!r}: the samples cannot fix this rate; "
                 "HINT: measure wider layers (matmul-bound) and narrow ones (overhead-bound)"
             )
-    indexed = fitted["s_per_indexed_byte"]
-    attention = fitted["attention_s_per_flop"]
     return LayerRates(
         flops_per_s=1.0 / fitted["forward_s_per_flop"],
         backward_flops_per_s=1.0 / fitted["backward_s_per_flop"],
         bytes_per_s=1.0 / fitted["s_per_byte"],
-        indexed_bytes_per_s=1.0 / indexed if indexed > 0 else None,
+        indexed_bytes_per_s=_rate(fitted["s_per_indexed_byte"]),
         op_overhead_s=fitted["op_overhead_s"],
         overhead_s=fitted["overhead_s"],
-        attention_flops_per_s=1.0 / attention if attention > 0 else None,
+        attention_flops_per_s=_rate(fitted["attention_s_per_flop"]),
+        matmul_op_overhead_s=kind_overhead("matmul_op_overhead_s"),
+        index_op_overhead_s=kind_overhead("index_op_overhead_s"),
+        lookup_op_overhead_s=kind_overhead("lookup_op_overhead_s"),
+        weight_bytes_per_s=_rate(fitted["s_per_weight_byte"]),
     )
+
+
+def _rate(seconds_per_unit: float) -> float | None:
+    """An optional rate from its fitted inverse; None when the fit left it at 0 (unset)."""
+    return 1.0 / seconds_per_unit if seconds_per_unit > 0 else None
 
 
 @dataclass(frozen=True)

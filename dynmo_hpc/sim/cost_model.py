@@ -39,7 +39,16 @@ The work model, per microbatch, as a list of operations (:class:`OpCost`):
   gathered, with the score matrix materialised (its bytes counted) and one op group per run of
   query blocks that keep equally many key blocks;
 - ops: each operation with work in a pass counts one toward the pass's op count, which the
-  rates charge ``op_overhead_s`` each (dispatch of a few small kernels).
+  rates charge ``op_overhead_s`` each (dispatch of a few small kernels); ops are of a kind
+  (:data:`OpKind`: a matmul with its weight, index bookkeeping such as gathers, scatters and
+  top-k, an embedding lookup, or anything else) and a kind may carry its own per-op cost
+  (``LayerRates.matmul_op_overhead_s`` and the like): a Linear's call, a gather's index
+  checks and an embedding's lookup dispatch different amounts of host work;
+- weight bytes: the parameters an op reads in a pass (a matmul's weight forward and for its
+  input gradient, its weight gradient written; an embedding's tables), counted again apart from
+  the plain bytes so that a machine can charge them at a rate of their own
+  (``LayerRates.weight_bytes_per_s``): between two passes of a layer the other layers run, so
+  its weights come back from memory rather than from cache.
 
 Scheme state (:class:`SchemeState`) and what it removes:
 
@@ -58,15 +67,16 @@ Scheme state (:class:`SchemeState`) and what it removes:
 
 Time of a pass: ``(flops - attention_flops) / flops_per_s + attention_flops /
 attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s + ops *
-op_overhead_s + overhead_s`` (:func:`pass_time_s`; the backward may have a matmul FLOP rate of
-its own); a pass with no work (a frozen prefix's backward) costs 0.
+op_overhead_s + overhead_s`` and the optional terms above (:func:`pass_time_s`; the backward
+may have a matmul FLOP rate of its own); a pass with no work (a frozen prefix's backward)
+costs 0.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.sim.machine import LayerRates
@@ -75,6 +85,10 @@ BYTES_PER_VALUE = 4
 """float32, what the trainer computes in."""
 
 LayerKind = Literal["embedding", "block", "head"]
+OpKind = Literal["matmul", "index", "lookup", "other"]
+"""What an op is, for its per-op cost: a matmul (``nn.Linear``), index bookkeeping (gathers,
+scatters, top-k, masks of token selection), an embedding lookup, or anything else (LayerNorm,
+GELU, softmax, residual adds, attention)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,13 +189,22 @@ class OpCost:
     """Bytes moved by gathers and scatters in the input-gradient backward."""
     count: int = 1
     """Operations this entry stands for in the forward (a kernel's loop, two lookups): what
-    ``LayerRates.op_overhead_s`` is charged for. An op is about a Linear's or a LayerNorm's
-    dispatch: a module call and a few small kernels."""
+    the per-op overhead of its :attr:`kind` is charged for. An op is about a Linear's or a
+    LayerNorm's dispatch: a module call and a few small kernels."""
     backward_count: int | None = None
     """Operations in the backward; None: ``count``. Index bookkeeping (masks, positions, top-k)
     runs forward only."""
     attention: bool = False
     """Attention's products (scores, weighted values): FLOPs at ``attention_flops_per_s``."""
+    kind: OpKind = "other"
+    """What the op is, for its per-op cost (:data:`OpKind`)."""
+    forward_weight_bytes: float = 0.0
+    """Parameter bytes read forward (also in ``forward_bytes``; charged again at
+    ``LayerRates.weight_bytes_per_s``)."""
+    dgrad_weight_bytes: float = 0.0
+    """Parameter bytes read for the input gradient."""
+    wgrad_weight_bytes: float = 0.0
+    """Parameter-gradient bytes written (dropped when frozen)."""
 
     def has_forward(self) -> bool:
         """Whether the forward does any work (counts toward the forward's ops)."""
@@ -199,20 +222,73 @@ class LayerCost:
 
     forward_flops: float
     forward_bytes: float
-    backward_flops: float
-    backward_bytes: float
+    backward_flops: float = 0.0
+    backward_bytes: float = 0.0
     ops: dict[str, OpCost] = field(default_factory=dict, compare=False)
     """The operations it is the sum of, by name (for tests and reading)."""
     forward_indexed_bytes: float = 0.0
     backward_indexed_bytes: float = 0.0
     forward_ops: int = 0
-    """Operations with forward work (each charged ``LayerRates.op_overhead_s``)."""
+    """Operations with forward work (each charged its kind's per-op overhead)."""
     backward_ops: int = 0
     """Operations with backward work (0 in a frozen prefix)."""
     forward_attention_flops: float = 0.0
     """The part of ``forward_flops`` in attention's products (:attr:`OpCost.attention`)."""
     backward_attention_flops: float = 0.0
     """The part of ``backward_flops`` in attention's products."""
+    forward_weight_bytes: float = 0.0
+    """Parameter bytes the forward reads (:attr:`OpCost.forward_weight_bytes`)."""
+    backward_weight_bytes: float = 0.0
+    """Parameter bytes the backward reads and parameter-gradient bytes it writes."""
+    forward_ops_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
+    """``forward_ops`` split by :data:`OpKind` (kinds with no op left out; derived from
+    ``ops``, so left out of comparisons like it)."""
+    backward_ops_by_kind: dict[str, int] = field(default_factory=dict, compare=False)
+    """``backward_ops`` split by :data:`OpKind`."""
+
+    def pass_work(self, backward: bool) -> PassWork:
+        """The forward's or the backward's work, as :func:`pass_time_s` prices it."""
+        if backward:
+            return PassWork(
+                flops=self.backward_flops,
+                nbytes=self.backward_bytes,
+                indexed_bytes=self.backward_indexed_bytes,
+                attention_flops=self.backward_attention_flops,
+                weight_bytes=self.backward_weight_bytes,
+                ops_by_kind=self.backward_ops_by_kind,
+                backward=True,
+            )
+        return PassWork(
+            flops=self.forward_flops,
+            nbytes=self.forward_bytes,
+            indexed_bytes=self.forward_indexed_bytes,
+            attention_flops=self.forward_attention_flops,
+            weight_bytes=self.forward_weight_bytes,
+            ops_by_kind=self.forward_ops_by_kind,
+            backward=False,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassWork:
+    """One pass's work (forward or backward of one microbatch), what :func:`pass_time_s` and the
+    fit (:func:`dynmo_hpc.sim.cost_fit.features`) read; ``attention_flops`` is the part of
+    ``flops`` in attention's products, ``weight_bytes`` the part of the bytes charged again at
+    ``LayerRates.weight_bytes_per_s``."""
+
+    flops: float = 0.0
+    nbytes: float = 0.0
+    indexed_bytes: float = 0.0
+    attention_flops: float = 0.0
+    weight_bytes: float = 0.0
+    ops_by_kind: dict[str, int] = field(default_factory=dict)
+    backward: bool = False
+    """The backward: its matmul FLOPs at ``LayerRates.backward_flops_per_s`` when set."""
+
+    @property
+    def empty(self) -> bool:
+        """No work at all (a frozen prefix's backward): the pass is not run and costs 0."""
+        return self.flops == 0 and self.nbytes == 0 and self.indexed_bytes == 0
 
 
 def matmul(m: float, k: float, n: float, *, weight: bool = True, bias: bool = False) -> OpCost:
@@ -222,9 +298,21 @@ def matmul(m: float, k: float, n: float, *, weight: bool = True, bias: bool = Fa
     flops = 2.0 * m * k * n
     nbytes = (m * k + k * n + m * n) * BYTES_PER_VALUE
     if not weight:
-        return OpCost(flops, nbytes, 2 * flops, 2 * nbytes)
+        return OpCost(flops, nbytes, 2 * flops, 2 * nbytes, kind="matmul")
     bias_bytes = (m * n + n) * BYTES_PER_VALUE if bias else 0.0
-    return OpCost(flops, nbytes, flops, nbytes, flops, nbytes + bias_bytes)
+    weight_bytes = k * n * BYTES_PER_VALUE
+    return OpCost(
+        flops,
+        nbytes,
+        flops,
+        nbytes,
+        flops,
+        nbytes + bias_bytes,
+        kind="matmul",
+        forward_weight_bytes=weight_bytes,
+        dgrad_weight_bytes=weight_bytes,
+        wgrad_weight_bytes=weight_bytes,
+    )
 
 
 def elementwise(elements: float) -> OpCost:
@@ -276,7 +364,9 @@ def gather(elements: float, source_elements: float) -> OpCost:
     gradients into a zeroed gradient of the source (plain bytes: the zero fill)."""
     moved = elements * INDEXED_BYTES_PER_ELEMENT
     zeros = source_elements * BYTES_PER_VALUE
-    return OpCost(forward_indexed_bytes=moved, dgrad_bytes=zeros, dgrad_indexed_bytes=moved)
+    return OpCost(
+        forward_indexed_bytes=moved, dgrad_bytes=zeros, dgrad_indexed_bytes=moved, kind="index"
+    )
 
 
 def scatter(elements: float, target_elements: float) -> OpCost:
@@ -289,6 +379,7 @@ def scatter(elements: float, target_elements: float) -> OpCost:
         forward_indexed_bytes=moved,
         dgrad_bytes=copy,
         dgrad_indexed_bytes=2 * moved,
+        kind="index",
     )
 
 
@@ -296,14 +387,16 @@ def row_gather(elements: float, source_elements: float) -> OpCost:
     """Gather whole rows (``h[b, t]``: one index per row of values): a streaming copy, read
     and write; backward zeroes the source's gradient and copies the rows' gradients in."""
     copy = 2 * elements * BYTES_PER_VALUE
-    return OpCost(forward_bytes=copy, dgrad_bytes=source_elements * BYTES_PER_VALUE + copy)
+    return OpCost(
+        forward_bytes=copy, dgrad_bytes=source_elements * BYTES_PER_VALUE + copy, kind="index"
+    )
 
 
 def row_scatter(elements: float, target_elements: float) -> OpCost:
     """Put whole rows into a copy of a ``target_elements`` tensor (``index_put``); backward
     copies the target's gradient and copies the rows' gradients out."""
     copy = 2 * (target_elements + elements) * BYTES_PER_VALUE
-    return OpCost(forward_bytes=copy, dgrad_bytes=copy)
+    return OpCost(forward_bytes=copy, dgrad_bytes=copy, kind="index")
 
 
 def blocks_kept(num_blocks: int, density: float) -> list[int]:
@@ -342,7 +435,9 @@ def block_sparse_attention(
         "attention": OpCost(
             flops, 6 * scores, 2 * flops, 9 * scores, count=GROUP_OPS * groups, attention=True
         ),
-        "attention_rank": OpCost(forward_bytes=2 * qkv * BYTES_PER_VALUE, count=RANK_OPS),
+        "attention_rank": OpCost(
+            forward_bytes=2 * qkv * BYTES_PER_VALUE, count=RANK_OPS, kind="index"
+        ),
         "attention_gather": gather(2 * batch * kept * bs * width, 2 * qkv),
     }
 
@@ -392,8 +487,9 @@ def _token_selection(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]
                 forward_bytes=(n_all * c + n_all) * BYTES_PER_VALUE,
                 dgrad_bytes=(n_q * c + n_all * c) * BYTES_PER_VALUE,
                 wgrad_bytes=n_q * c * BYTES_PER_VALUE,
+                kind="index",
             ),
-            "topk": OpCost(forward_bytes=2 * n_all * BYTES_PER_VALUE, count=2),
+            "topk": OpCost(forward_bytes=2 * n_all * BYTES_PER_VALUE, count=2, kind="index"),
             "select": gather(n_q * c, n_all * c),
             "combine": elementwise(3 * n_q * c),
             "scatter": scatter(n_q * c, n_all * c),
@@ -437,16 +533,32 @@ def block_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
 
 
 def embedding_ops(shape: LayerShape) -> dict[str, OpCost]:
-    """Token plus position lookup: rows read and summed forward; backward (weight gradient
-    only: the input is token ids) zero-fills both tables' gradients (``vocab_size + seq_len``
-    rows, however few tokens), adds the output's gradient into the token table's rows (one read
-    of it; the table stays in cache), sums it over the batch for the position table (a second
-    read, ``seq_len`` rows written) and adds those in; three operations (two lookups and the
-    sum)."""
+    """Token plus position lookup: three kernels forward, each operand once per kernel as for
+    every op here (the token rows gathered: read and written; the position rows gathered: read
+    and written; their sum: both read, the sum written: ``4 n c + 3 t c`` values); backward
+    (weight gradient only: the input is token ids) zero-fills both tables' gradients
+    (``vocab_size + seq_len`` rows, however few tokens), adds the output's gradient into the
+    token table's rows (one read of it; the table stays in cache), sums it over the batch for
+    the position table (a second read, ``seq_len`` rows written) and adds those in; three
+    operations (two lookups and the sum). Weight bytes: both tables forward (their rows come
+    out of memory), and their gradients backward twice (zero-filled, then the rows added in)."""
     n, c, t = shape.micro_batch * shape.seq_len, shape.d_model, shape.seq_len
-    forward = (2 * n * c + t * c) * BYTES_PER_VALUE
+    forward = (4 * n * c + 3 * t * c) * BYTES_PER_VALUE
     backward = (2 * n * c + shape.vocab_size * c + 3 * t * c) * BYTES_PER_VALUE
-    return {"lookup": OpCost(0.0, forward, 0.0, 0.0, 0.0, backward, count=3)}
+    tables = (shape.vocab_size + t) * c * BYTES_PER_VALUE
+    lookup = OpCost(
+        0.0,
+        forward,
+        0.0,
+        0.0,
+        0.0,
+        backward,
+        count=3,
+        kind="lookup",
+        forward_weight_bytes=tables,
+        wgrad_weight_bytes=2 * tables,
+    )
+    return {"lookup": lookup}
 
 
 def head_ops(shape: LayerShape, state: SchemeState) -> dict[str, OpCost]:
@@ -475,92 +587,101 @@ def layer_cost(shape: LayerShape, state: SchemeState | None = None) -> LayerCost
         ops = head_ops(shape, state)
     else:
         ops = block_ops(shape, state)
-    backward_flops = sum(op.dgrad_flops for op in ops.values())
-    backward_bytes = sum(op.dgrad_bytes for op in ops.values())
-    backward_indexed = sum(op.dgrad_indexed_bytes for op in ops.values())
-    backward_ops = sum(
-        op.count if op.backward_count is None else op.backward_count
-        for op in ops.values()
-        if op.has_backward(state.frozen)
-    )
-    if not state.frozen:
-        backward_flops += sum(op.wgrad_flops for op in ops.values())
-        backward_bytes += sum(op.wgrad_bytes for op in ops.values())
-    attention = [op for op in ops.values() if op.attention]
-    forward_attention = sum(op.forward_flops for op in attention)
-    backward_attention = sum(op.dgrad_flops for op in attention)
+    forward = _forward_totals(list(ops.values()))
+    backward = _backward_totals(list(ops.values()), state)
+    return LayerCost(ops=ops, **forward, **backward)
+
+
+def _op_counts(counted: list[tuple[OpCost, int]]) -> dict[str, int]:
+    """Ops per :data:`OpKind`, kinds with none left out."""
+    out: dict[str, int] = {}
+    for op, count in counted:
+        out[op.kind] = out.get(op.kind, 0) + count
+    return out
+
+
+def _forward_totals(ops: list[OpCost]) -> dict[str, Any]:
+    """The forward fields of :class:`LayerCost`, summed over its ops."""
+    by_kind = _op_counts([(op, op.count) for op in ops if op.has_forward()])
+    return {
+        "forward_flops": sum(op.forward_flops for op in ops),
+        "forward_bytes": sum(op.forward_bytes for op in ops),
+        "forward_indexed_bytes": sum(op.forward_indexed_bytes for op in ops),
+        "forward_attention_flops": sum(op.forward_flops for op in ops if op.attention),
+        "forward_weight_bytes": sum(op.forward_weight_bytes for op in ops),
+        "forward_ops": sum(by_kind.values()),
+        "forward_ops_by_kind": by_kind,
+    }
+
+
+def _backward_totals(ops: list[OpCost], state: SchemeState) -> dict[str, Any]:
+    """The backward fields of :class:`LayerCost`: input gradients, plus weight gradients
+    unless frozen; nothing at all inside the frozen prefix."""
     if state.frozen_prefix:
-        backward_flops = backward_bytes = backward_indexed = backward_attention = 0.0
-        backward_ops = 0
-    return LayerCost(
-        forward_flops=sum(op.forward_flops for op in ops.values()),
-        forward_bytes=sum(op.forward_bytes for op in ops.values()),
-        backward_flops=backward_flops,
-        backward_bytes=backward_bytes,
-        ops=ops,
-        forward_indexed_bytes=sum(op.forward_indexed_bytes for op in ops.values()),
-        backward_indexed_bytes=backward_indexed,
-        forward_ops=sum(op.count for op in ops.values() if op.has_forward()),
-        backward_ops=backward_ops,
-        forward_attention_flops=forward_attention,
-        backward_attention_flops=backward_attention,
-    )
+        return {}
+    wgrad = 0.0 if state.frozen else 1.0
+    counted = [
+        (op, op.count if op.backward_count is None else op.backward_count)
+        for op in ops
+        if op.has_backward(state.frozen)
+    ]
+    by_kind = _op_counts(counted)
+    return {
+        "backward_flops": sum(op.dgrad_flops + wgrad * op.wgrad_flops for op in ops),
+        "backward_bytes": sum(op.dgrad_bytes + wgrad * op.wgrad_bytes for op in ops),
+        "backward_indexed_bytes": sum(op.dgrad_indexed_bytes for op in ops),
+        "backward_attention_flops": sum(op.dgrad_flops for op in ops if op.attention),
+        "backward_weight_bytes": sum(
+            op.dgrad_weight_bytes + wgrad * op.wgrad_weight_bytes for op in ops
+        ),
+        "backward_ops": sum(by_kind.values()),
+        "backward_ops_by_kind": by_kind,
+    }
 
 
-def pass_time_s(
-    flops: float,
-    nbytes: float,
-    rates: LayerRates,
-    *,
-    indexed_bytes: float = 0.0,
-    num_ops: int = 0,
-    backward: bool = False,
-    attention_flops: float = 0.0,
-) -> float:
+def op_overhead_s(kind: str, rates: LayerRates) -> float:
+    """Seconds per op of ``kind``: the kind's own overhead when the rates set one, else
+    ``rates.op_overhead_s``."""
+    own = {
+        "matmul": rates.matmul_op_overhead_s,
+        "index": rates.index_op_overhead_s,
+        "lookup": rates.lookup_op_overhead_s,
+    }.get(kind)
+    return rates.op_overhead_s if own is None else own
+
+
+def pass_time_s(work: PassWork, rates: LayerRates) -> float:
     """Seconds of one pass: ``(flops - attention_flops) / flops_per_s + attention_flops /
-    attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s + num_ops
-    * op_overhead_s + overhead_s`` (``attention_flops``, the part of ``flops`` in attention's
-    products, is at most ``flops``; the backward's matmul FLOPs at
-    ``rates.backward_flops_per_s`` when set; attention's at the matmul rate when
-    ``rates.attention_flops_per_s`` is unset); 0 for a pass with no work (a frozen prefix's
-    backward is not run at all)."""
-    if flops == 0 and nbytes == 0 and indexed_bytes == 0:
+    attention_flops_per_s + bytes / bytes_per_s + indexed_bytes / indexed_bytes_per_s +
+    weight_bytes / weight_bytes_per_s + sum over op kinds of ops * that kind's op overhead +
+    overhead_s``; the backward's matmul FLOPs at
+    ``rates.backward_flops_per_s`` when set, attention's at the matmul rate when
+    ``rates.attention_flops_per_s`` is unset, indexed bytes at ``bytes_per_s`` when
+    ``indexed_bytes_per_s`` is unset, weight bytes not charged again when ``weight_bytes_per_s`` is
+    unset; 0 for a pass with no work (a frozen prefix's backward is not run at all)."""
+    if work.empty:
         return 0.0
     flops_per_s = rates.flops_per_s
-    if backward and rates.backward_flops_per_s is not None:
+    if work.backward and rates.backward_flops_per_s is not None:
         flops_per_s = rates.backward_flops_per_s
     attention_per_s = rates.attention_flops_per_s or flops_per_s
     indexed_per_s = rates.indexed_bytes_per_s or rates.bytes_per_s
+    weight_s = work.weight_bytes / rates.weight_bytes_per_s if rates.weight_bytes_per_s else 0.0
+    ops_s = sum(n * op_overhead_s(kind, rates) for kind, n in work.ops_by_kind.items())
     return (
-        (flops - attention_flops) / flops_per_s
-        + attention_flops / attention_per_s
-        + nbytes / rates.bytes_per_s
-        + indexed_bytes / indexed_per_s
-        + num_ops * rates.op_overhead_s
+        (work.flops - work.attention_flops) / flops_per_s
+        + work.attention_flops / attention_per_s
+        + work.nbytes / rates.bytes_per_s
+        + work.indexed_bytes / indexed_per_s
+        + weight_s
+        + ops_s
         + rates.overhead_s
     )
 
 
 def layer_times_s(cost: LayerCost, rates: LayerRates) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one microbatch through the layer."""
-    forward_s = pass_time_s(
-        cost.forward_flops,
-        cost.forward_bytes,
-        rates,
-        indexed_bytes=cost.forward_indexed_bytes,
-        num_ops=cost.forward_ops,
-        attention_flops=cost.forward_attention_flops,
-    )
-    backward_s = pass_time_s(
-        cost.backward_flops,
-        cost.backward_bytes,
-        rates,
-        indexed_bytes=cost.backward_indexed_bytes,
-        num_ops=cost.backward_ops,
-        backward=True,
-        attention_flops=cost.backward_attention_flops,
-    )
-    return forward_s, backward_s
+    return pass_time_s(cost.pass_work(False), rates), pass_time_s(cost.pass_work(True), rates)
 
 
 def layer_shapes(model: ModelSection, micro_batch: int) -> list[LayerShape]:

@@ -89,6 +89,17 @@ class LayerRates:
     """FLOP/s of attention's two products (scores and weighted values, forward and backward):
     their inner or outer dimension is the head size, far below a dense matmul's, so a CPU runs
     them several times slower; None: the matmul rates."""
+    matmul_op_overhead_s: float | None = None
+    """Seconds per matmul op (a Linear's call) per pass; None: ``op_overhead_s``."""
+    index_op_overhead_s: float | None = None
+    """Seconds per index op (gathers, scatters, top-k and masks of token selection); None:
+    ``op_overhead_s``."""
+    lookup_op_overhead_s: float | None = None
+    """Seconds per embedding lookup op; None: ``op_overhead_s``."""
+    weight_bytes_per_s: float | None = None
+    """Bytes per second at which a pass reads its parameters (and the backward writes their
+    gradients) on top of their share of ``bytes_per_s``: between two passes of a layer the
+    other layers run, so its weights come back from memory; None: not charged again."""
 
     def check(self) -> None:
         """Raise ValueError unless every rate is finite and > 0 and the overheads >= 0."""
@@ -98,6 +109,7 @@ class LayerRates:
             "backward_flops_per_s",
             "indexed_bytes_per_s",
             "attention_flops_per_s",
+            "weight_bytes_per_s",
         )
         for name in rates:
             value = getattr(self, name)
@@ -108,6 +120,10 @@ class LayerRates:
                 raise ValueError(f"{name}={value!r} must be > 0")
         _non_negative("overhead_s", self.overhead_s)
         _non_negative("op_overhead_s", self.op_overhead_s)
+        for name in ("matmul_op_overhead_s", "index_op_overhead_s", "lookup_op_overhead_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _non_negative(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +162,9 @@ class MachineModel:
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
-    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``, ``layer_attention_flops_per_s``);
-    None: the file has none."""
+    ``layer_indexed_bytes_per_s``, ``layer_op_overhead_s``, ``layer_attention_flops_per_s``,
+    ``layer_matmul_op_overhead_s``, ``layer_index_op_overhead_s``, ``layer_lookup_op_overhead_s``,
+    ``layer_weight_bytes_per_s``); None: the file has none."""
     notes: dict[str, Any] | None = None
     """Free-form provenance (what was measured, on which runs); never read by the simulator."""
 
@@ -209,6 +226,10 @@ _OPTIONAL_RATE_KEYS = {
     "layer_indexed_bytes_per_s": "indexed_bytes_per_s",
     "layer_op_overhead_s": "op_overhead_s",
     "layer_attention_flops_per_s": "attention_flops_per_s",
+    "layer_matmul_op_overhead_s": "matmul_op_overhead_s",
+    "layer_index_op_overhead_s": "index_op_overhead_s",
+    "layer_lookup_op_overhead_s": "lookup_op_overhead_s",
+    "layer_weight_bytes_per_s": "weight_bytes_per_s",
 }
 _OPTIONAL_KEYS = (
     "latency_s",
