@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
+from dynmo_hpc.bench.scripts import write_json_out  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.pipeline.comm import WAIT_MAX_SLEEP_S  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
@@ -392,8 +393,7 @@ def main() -> None:
             ),
             args.write_machine,
         )
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_json_out(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.atomic_io import atomic_write_text  # noqa: E402
+from dynmo_hpc.bench.scripts import write_json_out, write_text_out  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.cli.simulate import format_table  # noqa: E402
 from dynmo_hpc.runlog import RunLog, load  # noqa: E402
@@ -331,16 +331,14 @@ def main() -> None:
     )
     text = markdown(rows, hidden, machine, load_of)
     print(text)
-    if args.json_out is not None:
-        table = {
-            "machine": machine.to_json(),
-            "rows": [r.to_json() for r in rows],
-            "hidden": hidden,
-            "other_load": load_of,
-        }
-        atomic_write_text(args.json_out, json.dumps(table, indent=1) + "\n")
-    if args.markdown_out is not None:
-        atomic_write_text(args.markdown_out, text)
+    table = {
+        "machine": machine.to_json(),
+        "rows": [r.to_json() for r in rows],
+        "hidden": hidden,
+        "other_load": load_of,
+    }
+    write_json_out(args.json_out, table)
+    write_text_out(args.markdown_out, text)
 
 
 if __name__ == "__main__":
