@@ -21,6 +21,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/heldout.py dynmo_hpc/sim/cost_model.py dynmo_hpc/sim/cost_ops.py dynmo_hpc/sim/scale.py dynmo_hpc/runlog/trajectory.py dynmo_hpc/bench/algorithms.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/host_memory.py dynmo_hpc/pipeline/capacity.py \
 	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/pipeline/ab.py \
+	dynmo_hpc/sim/short_runs.py dynmo_hpc/bench/scripts.py \
 	dynmo_hpc/sim/cost_fit.py dynmo_hpc/sim/cost_measure.py
 
 .PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean

@@ -18,7 +18,6 @@ A markdown table goes to stdout, progress to stderr, the same figures as JSON to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.bench.scripts import write_json_out
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
 
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nall-reduce share of step time: median {statistics.median(shares):.3f} "
         f"(range {min(shares):.3f}-{max(shares):.3f} over {len(shares)} runs)"
     )
-    if args.out is not None:
-        args.out.write_text(json.dumps({"runs": rows, "overrides": args.overrides}, indent=1))
+    write_json_out(args.out, {"runs": rows, "overrides": args.overrides}, newline=False)
     return 0
 
 

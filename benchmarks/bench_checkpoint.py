@@ -32,7 +32,6 @@ same figures as JSON to ``--out FILE``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.bench.scripts import write_json_out
 from dynmo_hpc.config.sections import CheckpointSection
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
@@ -259,21 +259,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(summary, default_every))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {
-                    "repeats": args.repeats,
-                    "steps": args.steps,
-                    "every_steps": args.every,
-                    "default_every_steps": default_every,
-                    "tiny": args.tiny,
-                    "elapsed_s": time.perf_counter() - started,
-                    "models": summary,
-                },
-                indent=1,
-            )
-        )
+        figures = {
+            "repeats": args.repeats,
+            "steps": args.steps,
+            "every_steps": args.every,
+            "default_every_steps": default_every,
+            "tiny": args.tiny,
+            "elapsed_s": time.perf_counter() - started,
+            "models": summary,
+        }
+        write_json_out(args.out, figures, newline=False)  # creates args.out's directory
         progress(f"wrote {args.out}")
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 
@@ -76,14 +74,10 @@ def main() -> None:
     if args.rank:
         rank_main(args.mib, args.reps)
         return
-    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
+    from dynmo_hpc.bench.scripts import run_rank_program
 
-    launcher = LocalMpiLauncher()
-    argv = [sys.executable, "-m", "mpi4py", __file__, "--rank"]
-    argv += ["--mib", str(args.mib), "--reps", str(args.reps)]
-    cmd = launcher.command(LaunchSpec(2, argv))
-    env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING"}
-    raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)
+    argv = ["--mib", str(args.mib), "--reps", str(args.reps)]
+    raise SystemExit(run_rank_program(__file__, argv))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.bench.scripts import write_json_out
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
 
@@ -151,8 +152,7 @@ def main() -> None:
             rows.append(measure_round(Path(tmp), rnd, args.steps))
             print(f"round {rnd + 1}: {rows[-1]}", file=sys.stderr, flush=True)
     print_table(rows, args.rounds)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"rounds": rows, "steps": args.steps}))
+    write_json_out(args.json, {"rounds": rows, "steps": args.steps}, indent=None, newline=False)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,7 @@ shared zero page that an untouched ``np.zeros`` buffer reads from).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +85,7 @@ def rank_main(
     from mpi4py import MPI
 
     from dynmo_hpc import config as config_mod
+    from dynmo_hpc.bench.scripts import write_json_out
     from dynmo_hpc.pipeline.comm import StageLink
     from dynmo_hpc.pipeline.data import TextDataset
     from dynmo_hpc.pipeline.device import pick_device
@@ -156,7 +153,7 @@ def rank_main(
             "a Send into a fresh buffer)"
         )
         if json_path:
-            Path(json_path).write_text(json.dumps({"device": str(device), "rows": rows}, indent=1))
+            write_json_out(Path(json_path), {"device": str(device), "rows": rows}, newline=False)
 
 
 def main() -> None:
@@ -178,15 +175,11 @@ def main() -> None:
             args.reps, args.device, args.json, tuple(int(d) for d in args.d_models.split(","))
         )
         return
-    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
+    from dynmo_hpc.bench.scripts import run_rank_program
 
-    launcher = LocalMpiLauncher()
-    argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
-    argv += ["--device", args.device, "--d-models", args.d_models]
+    argv = ["--reps", str(args.reps), "--device", args.device, "--d-models", args.d_models]
     argv += ["--json", args.json] if args.json else []
-    cmd = launcher.command(LaunchSpec(2, argv))
-    env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING"}
-    raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)
+    raise SystemExit(run_rank_program(__file__, argv))
 
 
 if __name__ == "__main__":

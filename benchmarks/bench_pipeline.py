@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.bench.scripts import write_json_out
 from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, launch_local, openmpi_env
 from dynmo_hpc.launch.rundir import prepare_run_dir
 from dynmo_hpc.pipeline.reference import train_reference
@@ -208,8 +209,8 @@ def main() -> None:
         figures = measure(Path(tmp), args.rounds, args.steps, args.microbatches)
     rows = [summarise(m, figures[m]) for m in args.microbatches]
     print_table(rows, args.rounds)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"rounds": args.rounds, "steps": args.steps, "rows": rows}))
+    figures = {"rounds": args.rounds, "steps": args.steps, "rows": rows}
+    write_json_out(args.json, figures, indent=None, newline=False)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
+from dynmo_hpc.bench.scripts import write_json_out  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.pipeline.comm import WAIT_MAX_SLEEP_S  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
 from dynmo_hpc.sim.calibration import RunDecomposition, decompose, fit_overheads  # noqa: E402
 from dynmo_hpc.sim.machine import MachineModel, save_machine  # noqa: E402
+from dynmo_hpc.sim.short_runs import ShortRun, short_run_config  # noqa: E402
 
 STEPS = 12
 INTERVAL = 4
@@ -54,51 +55,45 @@ MICRO_BATCH_SIZE = 2
 """Small microbatches keep each run to tens of seconds on a shared 2-core machine."""
 
 
-@dataclass(frozen=True)
-class CalibrationRun:
-    name: str
-    job: str
-    num_stages: int
-    num_microbatches: int
-    schedule: str = "1f1b"
-    algorithm: str = "static"
+def calibration_run(
+    name: str,
+    job: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    schedule: str = "1f1b",
+    algorithm: str = "static",
+) -> ShortRun:
+    """A calibration run: ``STEPS`` steps, a load report every ``INTERVAL``, small microbatches."""
+    return ShortRun(
+        name,
+        job,
+        num_stages,
+        num_microbatches,
+        algorithm,
+        steps=STEPS,
+        interval=INTERVAL,
+        schedule=schedule,
+        extra=(f"train.micro_batch_size={MICRO_BATCH_SIZE}",),
+    )
 
 
-RUNS: tuple[CalibrationRun, ...] = (
-    CalibrationRun("plain_p2_m4", "default", 2, 4),
-    CalibrationRun("plain_p2_m8", "default", 2, 8),
-    CalibrationRun("plain_p2_m8_gpipe", "default", 2, 8, "gpipe"),
-    CalibrationRun("plain_p4_m4", "default", 4, 4),
-    CalibrationRun("plain_p4_m8", "default", 4, 8),
-    CalibrationRun("mod_p2_m8", "mod", 2, 8),
-    CalibrationRun("mod_p4_m8", "mod", 4, 8),
-    CalibrationRun("moe_p2_m4", "moe", 2, 4),
-    CalibrationRun("moe_p4_m8", "moe", 4, 8),
-    CalibrationRun("imbalanced_p2_m8", "imbalanced", 2, 8),
+RUNS: tuple[ShortRun, ...] = (
+    calibration_run("plain_p2_m4", "default", 2, 4),
+    calibration_run("plain_p2_m8", "default", 2, 8),
+    calibration_run("plain_p2_m8_gpipe", "default", 2, 8, schedule="gpipe"),
+    calibration_run("plain_p4_m4", "default", 4, 4),
+    calibration_run("plain_p4_m8", "default", 4, 8),
+    calibration_run("mod_p2_m8", "mod", 2, 8),
+    calibration_run("mod_p4_m8", "mod", 4, 8),
+    calibration_run("moe_p2_m4", "moe", 2, 4),
+    calibration_run("moe_p4_m8", "moe", 4, 8),
+    calibration_run("imbalanced_p2_m8", "imbalanced", 2, 8),
     # Dynamic policies: the trainer migrates at its load reports, the replay decides with the
     # same rule on the same costs and prices the move; measured steps include the migrations.
-    CalibrationRun("imbalanced_p2_m8_optimal", "imbalanced", 2, 8, algorithm="optimal"),
-    CalibrationRun("imbalanced_p4_m8_diffusion", "imbalanced", 4, 8, algorithm="diffusion"),
+    calibration_run("imbalanced_p2_m8_optimal", "imbalanced", 2, 8, algorithm="optimal"),
+    calibration_run("imbalanced_p4_m8_diffusion", "imbalanced", 4, 8, algorithm="diffusion"),
 )
-
-
-def run_config(run: CalibrationRun, runs_dir: Path) -> config_mod.JobConfig:
-    return config_mod.load(
-        ROOT / "jobs" / f"{run.job}.yaml",
-        [
-            f"job.name={run.name}",
-            f"job.out_dir={runs_dir}",
-            f"train.steps={STEPS}",
-            f"train.micro_batch_size={MICRO_BATCH_SIZE}",
-            f"train.num_microbatches={run.num_microbatches}",
-            f"pipeline.num_stages={run.num_stages}",
-            f"pipeline.schedule={run.schedule}",
-            f"balance.interval={INTERVAL}",
-            f"balance.algorithm={run.algorithm}",
-            "checkpoint.at_end=false",
-            "checkpoint.every_steps=0",
-        ],
-    )
 
 
 # --- 1. machine constants measured directly ----------------------------------------------------
@@ -198,7 +193,7 @@ def measure_link() -> tuple[float, float, dict[str, float]]:
 # --- 2-5. runs, decomposition, leave-one-out prediction ----------------------------------------
 
 
-def ensure_run(run: CalibrationRun, runs_dir: Path, reuse: bool) -> Path:
+def ensure_run(run: ShortRun, runs_dir: Path, reuse: bool) -> Path:
     """The run's run.h5, training it first unless --reuse finds a finished one."""
     from dynmo_hpc.launch.local import launch_local
 
@@ -207,7 +202,9 @@ def ensure_run(run: CalibrationRun, runs_dir: Path, reuse: bool) -> Path:
         return path
     print(f"running {run.name} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    rc, run_dir = launch_local(run_config(run, runs_dir), timeout_s=900, overwrite=True)
+    rc, run_dir = launch_local(
+        short_run_config(run, ROOT / "jobs", runs_dir), timeout_s=900, overwrite=True
+    )
     if rc != 0:
         raise SystemExit(f"calibration run {run.name} failed with exit code {rc}")
     print(f"  {run.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -396,8 +393,7 @@ def main() -> None:
             ),
             args.write_machine,
         )
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_json_out(args.json_out, rows)
 
 
 if __name__ == "__main__":

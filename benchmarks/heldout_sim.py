@@ -39,7 +39,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
-from dynmo_hpc.atomic_io import atomic_write_text  # noqa: E402
+from dynmo_hpc.bench.scripts import write_json_out, write_text_out  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.cli.simulate import format_table  # noqa: E402
 from dynmo_hpc.runlog import RunLog, load  # noqa: E402
@@ -67,24 +66,7 @@ from dynmo_hpc.sim.machine import (  # noqa: E402
     shipped_machine_path,
 )
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog  # noqa: E402
-
-STEPS = 20
-INTERVAL = 5
-
-
-@dataclass(frozen=True)
-class Run:
-    """One real run: a job with a few overrides."""
-
-    name: str
-    job: str
-    num_stages: int
-    num_microbatches: int
-    algorithm: str = "static"
-    extra: tuple[str, ...] = ()
-    steps: int = STEPS
-    interval: int = INTERVAL
-
+from dynmo_hpc.sim.short_runs import ShortRun, short_run_config  # noqa: E402
 
 SMALL_BATCH = ("train.micro_batch_size=2",)
 """The default job's batch of 8 makes a step several times longer than the others' here."""
@@ -95,31 +77,31 @@ NO_PACKING = ("elastic.enabled=false",)
 have 40 steps: with 20, the 15 left after the first decision do not repay the restart and the
 job keeps its 4 stages."""
 
-CALIBRATION: tuple[Run, ...] = (
-    Run("cal_default_p2_m4", "default", 2, 4, extra=SMALL_BATCH, steps=12, interval=4),
-    Run("cal_default_p4_m8", "default", 4, 8, extra=SMALL_BATCH, steps=12, interval=4),
-    Run("cal_mod_p2_m8", "mod", 2, 8, extra=SMALL_BATCH, steps=12, interval=4),
-    Run("cal_moe_p3_m4", "moe", 3, 4, extra=SMALL_BATCH, steps=12, interval=4),
-    Run("cal_imbalanced_p4_m8", "imbalanced", 4, 8, steps=12, interval=4),
+CALIBRATION: tuple[ShortRun, ...] = (
+    ShortRun("cal_default_p2_m4", "default", 2, 4, extra=SMALL_BATCH, steps=12, interval=4),
+    ShortRun("cal_default_p4_m8", "default", 4, 8, extra=SMALL_BATCH, steps=12, interval=4),
+    ShortRun("cal_mod_p2_m8", "mod", 2, 8, extra=SMALL_BATCH, steps=12, interval=4),
+    ShortRun("cal_moe_p3_m4", "moe", 3, 4, extra=SMALL_BATCH, steps=12, interval=4),
+    ShortRun("cal_imbalanced_p4_m8", "imbalanced", 4, 8, steps=12, interval=4),
 )
 """Fits the machine file; never predicted, never a source of a held-out prediction."""
 
-HELD_OUT: tuple[Run, ...] = (
-    Run("imbalanced_p2_m6", "imbalanced", 2, 6),
-    Run("imbalanced_p2_m6_optimal", "imbalanced", 2, 6, "optimal"),
-    Run("imbalanced_p2_m6_diffusion", "imbalanced", 2, 6, "diffusion"),
-    Run("imbalanced_p3_m6", "imbalanced", 3, 6),
-    Run("imbalanced_p3_m6_optimal", "imbalanced", 3, 6, "optimal"),
-    Run("pruning_p2_m8", "pruning", 2, 8, extra=SHORT),
-    Run("pruning_p2_m8_optimal", "pruning", 2, 8, "optimal", extra=SHORT),
-    Run("pruning_p3_m8", "pruning", 3, 8, extra=SHORT),
-    Run("freezing_p2_m8", "freezing", 2, 8, extra=SHORT),
-    Run("freezing_p2_m8_optimal", "freezing", 2, 8, "optimal", extra=SHORT),
-    Run("freezing_p3_m8", "freezing", 3, 8, extra=SHORT),
-    Run("default_p2_m8", "default", 2, 8, extra=SMALL_BATCH),
-    Run("default_p3_m8", "default", 3, 8, extra=SMALL_BATCH),
-    Run("elastic_p4_m8", "elastic", 4, 8, extra=NO_PACKING, steps=40),
-    Run("elastic_p4_m8_packing", "elastic", 4, 8, "optimal", steps=40),
+HELD_OUT: tuple[ShortRun, ...] = (
+    ShortRun("imbalanced_p2_m6", "imbalanced", 2, 6),
+    ShortRun("imbalanced_p2_m6_optimal", "imbalanced", 2, 6, "optimal"),
+    ShortRun("imbalanced_p2_m6_diffusion", "imbalanced", 2, 6, "diffusion"),
+    ShortRun("imbalanced_p3_m6", "imbalanced", 3, 6),
+    ShortRun("imbalanced_p3_m6_optimal", "imbalanced", 3, 6, "optimal"),
+    ShortRun("pruning_p2_m8", "pruning", 2, 8, extra=SHORT),
+    ShortRun("pruning_p2_m8_optimal", "pruning", 2, 8, "optimal", extra=SHORT),
+    ShortRun("pruning_p3_m8", "pruning", 3, 8, extra=SHORT),
+    ShortRun("freezing_p2_m8", "freezing", 2, 8, extra=SHORT),
+    ShortRun("freezing_p2_m8_optimal", "freezing", 2, 8, "optimal", extra=SHORT),
+    ShortRun("freezing_p3_m8", "freezing", 3, 8, extra=SHORT),
+    ShortRun("default_p2_m8", "default", 2, 8, extra=SMALL_BATCH),
+    ShortRun("default_p3_m8", "default", 3, 8, extra=SMALL_BATCH),
+    ShortRun("elastic_p4_m8", "elastic", 4, 8, extra=NO_PACKING, steps=40),
+    ShortRun("elastic_p4_m8_packing", "elastic", 4, 8, "optimal", steps=40),
 )
 
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -144,26 +126,13 @@ HIDDEN = "imbalanced_p3_m6"
 """The issue's hidden case: jobs/imbalanced.yaml, 3 stages, 6 microbatches, static."""
 
 
-def run_config(run: Run, runs_dir: Path) -> config_mod.JobConfig:
-    return config_mod.load(
-        ROOT / "jobs" / f"{run.job}.yaml",
-        [
-            f"job.name={run.name}",
-            f"job.out_dir={runs_dir}",
-            f"train.steps={run.steps}",
-            f"train.num_microbatches={run.num_microbatches}",
-            f"pipeline.num_stages={run.num_stages}",
-            f"balance.interval={run.interval}",
-            f"balance.algorithm={run.algorithm}",
-            "checkpoint.at_end=false",
-            "checkpoint.every_steps=0",
-            "runtime.device=cpu",
-            *run.extra,
-        ],
-    )
+def run_config(run: ShortRun, runs_dir: Path) -> config_mod.JobConfig:
+    """``run``'s job, on the CPU whatever the job file says (the calibration is this CPU's)."""
+    on_cpu = dataclasses.replace(run, extra=("runtime.device=cpu", *run.extra))
+    return short_run_config(on_cpu, ROOT / "jobs", runs_dir)
 
 
-def ensure_run(run: Run, runs_dir: Path) -> Path:
+def ensure_run(run: ShortRun, runs_dir: Path) -> Path:
     """The run's run.h5; trained first unless a finished one is already there (resumable)."""
     from dynmo_hpc.launch.local import launch_local
 
@@ -379,16 +348,14 @@ def main() -> None:
     )
     text = markdown(rows, hidden, machine, load_of)
     print(text)
-    if args.json_out is not None:
-        table = {
-            "machine": machine.to_json(),
-            "rows": [r.to_json() for r in rows],
-            "hidden": hidden,
-            "other_load": load_of,
-        }
-        atomic_write_text(args.json_out, json.dumps(table, indent=1) + "\n")
-    if args.markdown_out is not None:
-        atomic_write_text(args.markdown_out, text)
+    table = {
+        "machine": machine.to_json(),
+        "rows": [r.to_json() for r in rows],
+        "hidden": hidden,
+        "other_load": load_of,
+    }
+    write_json_out(args.json_out, table)
+    write_text_out(args.markdown_out, text)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ with AdamW state):
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -257,13 +255,10 @@ def main() -> None:
         return
     python_parts(d_models)
     hash_speeds()
-    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
+    from dynmo_hpc.bench.scripts import run_rank_program
 
-    argv = [sys.executable, "-m", "mpi4py", __file__, "--rank", "--reps", str(args.reps)]
-    argv += ["--d-models", args.d_models]
-    cmd = LocalMpiLauncher().command(LaunchSpec(2, argv))
-    env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
-    raise SystemExit(subprocess.run(cmd, env=env, check=False).returncode)
+    argv = ["--reps", str(args.reps), "--d-models", args.d_models]
+    raise SystemExit(run_rank_program(__file__, argv, env={"PYTHONPATH": str(ROOT)}))
 
 
 if __name__ == "__main__":

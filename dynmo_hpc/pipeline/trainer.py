@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -37,36 +36,27 @@ from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
-from dynmo_hpc.handoff.resize import size_change, take_phases, write_request
-from dynmo_hpc.handoff.signal_budget import measured_budget
+from dynmo_hpc.handoff.resize import size_change, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
-from dynmo_hpc.pipeline import checkpoint, restart_events, resume
-from dynmo_hpc.pipeline.ab import ab_arm, wall_s_per_cpu_s
+from dynmo_hpc.pipeline import checkpoint, resume
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
-from dynmo_hpc.pipeline.elastic import PackController, resize_event
+from dynmo_hpc.pipeline.elastic import PackController
 from dynmo_hpc.pipeline.fault_injection import make_injector
-from dynmo_hpc.pipeline.grad_sync import GradReducer, check_replicas_agree, log_overlap
+from dynmo_hpc.pipeline.grad_sync import GradReducer, check_replicas_agree
 from dynmo_hpc.pipeline.groups import make_groups
-from dynmo_hpc.pipeline.lifecycle import (
-    PhaseTracker,
-    StopRequest,
-    TrainResult,
-    count_nodes,
-    log_failures,
-    log_progress,
-)
+from dynmo_hpc.pipeline.lifecycle import PhaseTracker, StopRequest, TrainResult, count_nodes
 from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
 from dynmo_hpc.pipeline.migration import measure_bandwidth
+from dynmo_hpc.pipeline.rank0_log import Rank0Log
 from dynmo_hpc.pipeline.run_state import run_state as build_run_state
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 from dynmo_hpc.report_cycle import is_report_step
-from dynmo_hpc.runlog.trajectory import SCHEME_STATS, job_layer_states
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +101,11 @@ class Trainer:
     - the phase tracker and the fault injector (null unless a test configured one) mark the
       named phases;
     - the pack controller (:class:`~dynmo_hpc.pipeline.elastic.PackController`) and the
-      checkpoint writer (:mod:`.resume`) serve the elastic and restart paths.
+      checkpoint writer (:mod:`.resume`) serve the elastic and restart paths;
+    - rank 0's run log (:class:`~dynmo_hpc.pipeline.rank0_log.Rank0Log`) writes what the
+      launch and each step did.
 
-    The trainer itself runs the step loop and rank 0's per-step log.
+    The trainer itself runs the step loop and decides when each of them acts.
     """
 
     def __init__(
@@ -162,8 +154,8 @@ class Trainer:
         self.last_checkpoint_monotonic = time.monotonic()
         self.lineage_parent = self._lineage_key(resume_from)
         """Rank 0: the checkpoint this launch resumed from or wrote last (lineage record)."""
-        self.signal_budget_checked = False
-        self.writer: Any = None
+        self.log0: Rank0Log | None = None
+        """Rank 0's run log (:mod:`.rank0_log`); None on the other ranks."""
         if self.rank == 0:
             self._start_rank0_log(resume_from, state, restore_s, restart=restart)
 
@@ -235,7 +227,7 @@ class Trainer:
         restart: bool,
     ) -> None:
         """Rank 0: open the run log (appending after a resume or restart) and log how this
-        launch started: the failures before it, skipped checkpoints, a resize."""
+        launch started (:meth:`.Rank0Log.start`); the resume or restart line is logged here."""
         restart_info = None
         if resume_from is not None and state is not None:
             restart_info = {
@@ -258,52 +250,24 @@ class Trainer:
                 "restarted from the beginning (no complete checkpoint yet) on partition %s",
                 self.parts,
             )
-        self.writer = self._open_runlog(restart_info)
-        self.reporter.writer = self.writer
-        log_failures(self.writer, self.run_dir)
-        if resume_from is not None and state is not None:
-            restart_events.log_skipped_checkpoints(self.writer, resume_from, self.start_step)
-            restart_events.log_config_changes(self.writer, self.cfg, state, self.start_step)
-        launched_unix_s = env.launch_unix_s()
-        if math.isfinite(launched_unix_s):
-            self.packer.startup_s = time.time() - launched_unix_s
-        if resume_from is not None:
-            self._log_resize(restore_s)
-
-    # ------------------------------------------------------------------ rank-0 reporting
-    def _open_runlog(self, restart: dict[str, Any] | None) -> Any:
-        from dynmo_hpc.runlog.writer import RunLogWriter
-
-        meta: dict[str, str | int | float] = {
-            "launcher": "mpi",
-            "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0][:200],
-            "world_size": self.comm.size,
-            "num_replicas": self.topo.num_replicas,
-            "mpi_host": MPI.Get_processor_name(),
-            "device": str(self.device),
-            "torch_version": str(torch.__version__),
-        }
-        # A resumed run appends to its log; a new run never replaces one (the launcher refuses
-        # an occupied run directory unless asked to overwrite, and then removes the old log).
-        return RunLogWriter(
-            self.run_dir / "run.h5",
-            config_yaml=self.cfg.to_yaml(),
-            meta=meta,
-            resume=restart is not None,
-            redo_from_step=self.start_step if restart is not None else None,
-            restart_detail=restart,
+        self.log0 = Rank0Log(
+            self.cfg,
+            self.run_dir,
+            self.result,
+            num_ranks=self.comm.size,
+            num_replicas=self.topo.num_replicas,
+            num_nodes=self.num_nodes,
         )
-
-    def _log_resize(self, restore_s: float) -> None:
-        """Rank 0 of a relaunched step: log the resize that started it, phase by phase."""
-        phases = take_phases(self.run_dir)
-        if phases is None:
-            return
-        detail = resize_event(phases, restore_s, time.time(), self.num_nodes)
-        self.packer.last_resize_s = detail["total_s"]
-        self.packer.predicted_tokens_per_s = detail["predicted_tokens_per_s_after"]
-        self.writer.log_event(step=self.start_step - 1, kind="resize", detail=detail)
-        log.warning("resized: %s", {k: v for k, v in detail.items() if k.endswith("_s")})
+        self.log0.start(
+            restart_info,
+            resume_from=resume_from,
+            state=state,
+            start_step=self.start_step,
+            restore_s=restore_s,
+            device=self.device,
+            packer=self.packer,
+        )
+        self.reporter.writer = self.log0.writer
 
     def _resize(self, step: int) -> None:
         """Every rank: checkpoint for the pack; rank 0 asks the manager for the resize."""
@@ -366,83 +330,36 @@ class Trainer:
         if reported:
             self.reporter.report(step)
         step_time_s = time.perf_counter() - t0
-        if self.rank == 0:
-            self._log_step_rank0(step, lr, step_time_s, gathered, scheme_events, reported)
+        if self.log0 is not None:
+            self.log0.log_step(step, lr, step_time_s, gathered, scheme_events, reported)
         return stats
-
-    def _log_step_rank0(
-        self,
-        step: int,
-        lr: float,
-        step_time_s: float,
-        gathered: list[tuple[float, ...]],
-        scheme_events: list[dict[str, Any]],
-        reported: bool,
-    ) -> None:
-        """Rank 0: the step's row (with its A/B arm and wall/CPU ratio), its stage times and
-        scheme events in the run log; the progress line; a flush after a load report.
-        ``gathered``: per rank, (LM loss, aux loss, compute wall s, idle s, layer CPU s,
-        then :meth:`.SyncStats.row`); each replica's losses are its share of the global mean."""
-        cfg = self.cfg
-        loss = sum(g[0] for g in gathered)
-        tokens_per_s = cfg.tokens_per_step / step_time_s
-        self.result.losses.append(loss)
-        self.result.tokens_per_s.append(tokens_per_s)
-        self.result.step_time_s.append(step_time_s)
-        self.writer.log_step(
-            step=step,
-            loss=loss,
-            step_time_s=step_time_s,
-            tokens_per_s=tokens_per_s,
-            lr=lr,
-            num_stages=cfg.pipeline.num_stages,
-            num_ranks=self.comm.size,
-            num_nodes=self.num_nodes,
-            ab_arm=ab_arm(step, cfg.balance.ab_period_steps),
-            wall_s_per_cpu_s=wall_s_per_cpu_s([g[2] for g in gathered], [g[4] for g in gathered]),
-        )
-        self.writer.log_stage_times(
-            step=step,
-            compute_s=[g[2] for g in gathered],
-            idle_s=[g[3] for g in gathered],
-            num_replicas=self.topo.num_replicas,
-            allreduce_s=[g[5] for g in gathered],
-        )
-        if reported and self.topo.num_replicas > 1:
-            log_overlap(self.writer, step, gathered)
-        for event in scheme_events:
-            self.writer.log_event(step=step, kind=event["kind"], detail=event)
-            if event["kind"] == SCHEME_STATS:
-                self.writer.log_layer_states(step=step, states=job_layer_states(cfg, event))
-        log_progress(cfg, self.result, step, loss, sum(g[1] for g in gathered))
-        if reported:
-            self.writer.flush()
 
     def train(self) -> TrainResult:
         """Run the remaining steps; rank 0's result (other ranks return an empty one).
 
         Ends after ``train.steps``, after a stop signal (with a checkpoint), or after a pack's
         checkpoint (the next MPI step carries on: no result, no final checkpoint)."""
-        if self.rank == 0:
-            self._log_start()
+        if self.log0 is not None:
+            self.log0.log_start(self.parts)
         stop = StopRequest()
         try:
             last_step, saved_step, resized = self._run_steps(stop)
             if resized:
                 stop.restore()
                 self.phases.close()
-                if self.writer is not None:
-                    self.writer.close(status="resize")
+                if self.log0 is not None:
+                    self.log0.close(status="resize")
                 return self.result
             self._finish(last_step, saved_step)
         except BaseException as exc:
             stop.restore()
-            self._log_error(exc)
+            if self.log0 is not None:
+                self.log0.log_error(exc)
             raise
         stop.restore()
         self.phases.close()
-        if self.writer is not None:
-            self.writer.close()
+        if self.log0 is not None:
+            self.log0.close()
         return self.result
 
     def _run_steps(self, stop: StopRequest) -> tuple[int, int, bool]:
@@ -480,33 +397,6 @@ class Trainer:
                 self.run_dir / "result.json", json.dumps(self.result.to_json(), indent=1)
             )
 
-    def _log_start(self) -> None:
-        cfg = self.cfg
-        log.info(
-            "training %s: %d layers on %s%d stages %s, %d steps x %d microbatches of %d x %d",
-            cfg.job.name,
-            cfg.model.num_layers,
-            f"{cfg.pipeline.replicas} replicas x " if cfg.pipeline.replicas > 1 else "",
-            cfg.pipeline.num_stages,
-            self.parts,
-            cfg.train.steps,
-            cfg.train.num_microbatches,
-            cfg.train.micro_batch_size,
-            cfg.model.seq_len,
-        )
-
-    def _log_error(self, exc: BaseException) -> None:
-        """Rank 0: the error that ends the run, as the run log's last event."""
-        if self.writer is None:
-            return
-        self.writer.log_event(
-            step=len(self.result.losses),
-            kind="error",
-            detail={"type": type(exc).__name__, "message": str(exc)[:2000]},
-        )
-        self.writer.close(status="error")
-        self.writer = None
-
     def _minutes_due(self) -> int:
         """1 if rank 0's clock says a time-based checkpoint is due (other ranks say 0)."""
         minutes = self.cfg.checkpoint.every_minutes
@@ -516,16 +406,8 @@ class Trainer:
 
     def _preempted(self, step: int, signum: int) -> None:
         """SIGUSR2/SIGTERM (SLURM's warning before the time limit or a preemption) arrived."""
-        if self.rank == 0:
-            self.writer.log_event(
-                step=step, kind="preempt", detail={"signal": signum, "completed_steps": step + 1}
-            )
-            log.warning(
-                "signal %d: stopping after step %d of %d and writing a checkpoint",
-                signum,
-                step + 1,
-                self.cfg.train.steps,
-            )
+        if self.log0 is not None:
+            self.log0.log_preempt(step, signum)
 
     def run_state(self, step: int) -> dict[str, Any]:
         """Rank 0: the run's state after ``step`` completed steps (see :mod:`.run_state`)."""
@@ -537,22 +419,6 @@ class Trainer:
             pack=self.packer.run_state(),
             result=self.result,
         )
-
-    def _check_signal_budget(self, step: int, checkpoint_s: float) -> None:
-        """Rank 0, at this launch's first checkpoint: warn (log and run log) when a step plus a
-        checkpoint do not fit in ``slurm.signal_delay_s``
-        (:mod:`dynmo_hpc.handoff.signal_budget`)."""
-        if self.signal_budget_checked:
-            return
-        budget = measured_budget(
-            self.result.step_time_s, [checkpoint_s], self.cfg.slurm.signal_delay_s
-        )
-        if budget is None:
-            return
-        self.signal_budget_checked = True
-        if not budget.fits():
-            log.warning("%s", budget.problem())
-            self.writer.log_event(step=step, kind="signal_budget", detail=budget.to_event())
 
     def save_checkpoint(self, step: int) -> Path:
         """Write checkpoint ``step`` (collective) and log it on rank 0."""
@@ -572,25 +438,7 @@ class Trainer:
         )
         self.last_checkpoint_monotonic = time.monotonic()
         self.lineage_parent = self._lineage_key(directory)
-        if self.rank == 0:
+        if self.log0 is not None:
             self.packer.last_checkpoint_s = seconds
-            self.writer.log_event(
-                step=step - 1,
-                kind="checkpoint",
-                detail={
-                    "path": str(directory),
-                    "step": step,
-                    "seconds": seconds,
-                    "bytes": num_bytes,
-                },
-            )
-            self._check_signal_budget(step - 1, seconds)
-            self.writer.flush()
-            log.info(
-                "checkpoint step %d: %.1f MB in %.2f s -> %s",
-                step,
-                num_bytes / 1e6,
-                seconds,
-                directory,
-            )
+            self.log0.log_checkpoint(step, directory, seconds, num_bytes)
         return directory

@@ -16,5 +16,7 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
 - :mod:`~dynmo_hpc.sim.cost_measure`: the measuring of the real layers (the one module here that
   imports torch; nothing else in the package imports it);
 - :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead
-  constants fitted from such splits.
+  constants fitted from such splits;
+- :mod:`~dynmo_hpc.sim.short_runs`: the job configs of the short real runs those fits and the
+  held-out checks train.
 """
