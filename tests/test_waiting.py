@@ -106,3 +106,15 @@ def test_simulated_step_yields_only_where_stages_have_their_own_core() -> None:
     assert shared.step_time_s == pytest.approx(4.2)
     with pytest.raises(ValueError, match="poll_yield_s"):
         simulate_step([1], [1], 1, poll_yield_s=-1.0)
+
+
+def test_a_part_of_a_launch_counts_the_whole_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job trained on a part of a 4-rank launch (COMM_SELF here) shares the host with the
+    launch's other ranks: the launcher's local size counts, and ``auto`` then sleeps on a host
+    with fewer cores."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4096")
+    groups = make_groups(MPI.COMM_SELF, 1, 1)
+    assert groups.ranks_on_host == 4096
+    runtime = config_mod.load(DEFAULT_JOB).runtime
+    link = make_link(dataclasses.replace(runtime, p2p="mpi"), groups, torch.device("cpu"))
+    assert link.wait_yield_s == 0.0

@@ -17,6 +17,7 @@ rank alone, so a pipeline-only job runs exactly as before.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -35,8 +36,24 @@ class RankGroups:
     data: MPI.Comm
     """This stage's ranks, ordered by replica (``data.rank == topology.replica``)."""
     ranks_on_host: int = 1
-    """The job's ranks on this rank's host (MPI's shared-memory split): how many share its
-    cores."""
+    """The ranks on this rank's host (MPI's shared-memory split of ``world``, or the launcher's
+    count when that is more): how many share its cores."""
+
+
+LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+"""Where Open MPI and MPICH's Hydra tell a process how many ranks of its launch share its
+host."""
+
+
+def launcher_ranks_on_host() -> int:
+    """The launch's ranks on this host as the launcher says (0 when it does not): more than
+    ``world``'s own when ``world`` is a part of the launch (tests train several small jobs on
+    parts of one launch), whose other ranks compete for the same cores."""
+    for name in LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGroups:
@@ -52,7 +69,7 @@ def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGrou
     data = world.Split(color=topology.stage, key=topology.replica)
     assert pipeline.rank == topology.stage and data.rank == topology.replica
     host = world.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_on_host = host.size
+    ranks_on_host = max(host.size, launcher_ranks_on_host())
     host.Free()
     return RankGroups(
         topology=topology, world=world, pipeline=pipeline, data=data, ranks_on_host=ranks_on_host
