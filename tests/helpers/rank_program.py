@@ -9,8 +9,10 @@ the communicator named for it. Each run writes what a launched job writes (``res
 rank 0, ``run.h5``, its checkpoints) in its own run directory; the tests read those files.
 
 Communicators: ``world`` (all 4 ranks), ``half0`` / ``half1`` (ranks 0-1 / 2-3: two 2-stage runs
-at once) and ``self0`` .. ``self3`` (one rank alone, ``MPI.COMM_SELF``). A rank trains the runs
-of its communicators in list order, so runs on disjoint communicators overlap.
+at once), ``trio`` (ranks 0-2) and ``self0`` .. ``self3`` (one rank alone, ``MPI.COMM_SELF``).
+A rank trains the runs of its communicators in list order, so runs on disjoint communicators
+overlap. ``runtime.p2p=torch`` sets up ``torch.distributed`` once per process: a run with it
+goes last on its ranks.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def train_all(runs: Runs) -> None:
     if world.size != NUM_RANKS:
         raise ValueError(f"the rank program runs on {NUM_RANKS} ranks, not {world.size}")
     half = world.Split(color=world.rank // 2, key=world.rank)
+    trio = world.Split(color=0 if world.rank < 3 else MPI.UNDEFINED, key=world.rank)
     comms = {"world": world, f"half{world.rank // 2}": half, f"self{world.rank}": MPI.COMM_SELF}
+    if trio != MPI.COMM_NULL:
+        comms["trio"] = trio
     for name, cfg in runs:
         comm = comms.get(name)
         if comm is None:
