@@ -5,26 +5,107 @@ adds the same two numbers R = 1 adds, so the losses are **bitwise** those of R =
 single-process reference. With more microbatches per replica only the association of the
 gradient sum differs (float32 reassociation), and the per-step losses agree within
 ``REASSOCIATION_REL`` relative, the bound the pipeline parity tests hold the pipeline to.
+
+The uninterrupted runs train in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`); the
+resumes are launched as a user launches them.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from dynmo_hpc import config as config_mod
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
+from tests.helpers import rank_program
+from tests.helpers.jobs import assert_losses_close, tiny_config
+from tests.helpers.scheme_jobs import scheme_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 REASSOCIATION_REL = 1e-5
 """Per-step losses of runs whose gradient sums differ only in association (float32)."""
+
+
+def bitwise_configs(out: Path) -> tuple[config_mod.JobConfig, ...]:
+    """R=1 x P=2, R=2 x P=2 static (one bucket per layer), R=2 x P=2 migrating at each report;
+    one microbatch per replica."""
+    common = ["pipeline.num_stages=2", "train.num_microbatches=2", "train.steps=6"]
+    common += ["checkpoint.at_end=true", "balance.interval=2"]
+    single = tiny_config(out / "r1", *common, "job.name=r1")
+    static = tiny_config(
+        out / "r2",
+        *common,
+        "pipeline.replicas=2",
+        "pipeline.grad_bucket_mb=1e-6",  # every bucket one layer
+        "job.name=r2",
+    )
+    moving = tiny_config(
+        out / "r2m",
+        *common,
+        "pipeline.replicas=2",
+        "balance.algorithm=optimal",
+        "balance.force_moves=true",
+        "job.name=r2m",
+    )
+    return single, static, moving
+
+
+RESUME_COMMON = ["train.num_microbatches=4", "train.steps=4", "checkpoint.every_steps=2"]
+
+
+def resume_first_config(out: Path) -> config_mod.JobConfig:
+    """R=2 x P=2 with checkpoints every 2 steps: the run the resumes start from."""
+    return tiny_config(
+        out / "a",
+        *RESUME_COMMON,
+        "pipeline.replicas=2",
+        "pipeline.num_stages=2",
+        "job.name=dp",
+    )
+
+
+def moe_config(out: Path) -> config_mod.JobConfig:
+    return scheme_config(
+        out / "moe",
+        "moe",
+        "pipeline.replicas=2",
+        "pipeline.num_stages=2",
+        "train.num_microbatches=2",
+        "train.steps=6",
+        "checkpoint.at_end=true",
+    )
+
+
+def runs(out: Path) -> rank_program.Runs:
+    single, static, moving = bitwise_configs(out)
+    return [
+        ("half0", single),
+        ("world", static),
+        ("world", moving),
+        ("world", resume_first_config(out)),
+        ("world", moe_config(out)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of the one launch that trained every uninterrupted run."""
+    out = tmp_path_factory.mktemp("data_parallel")
+    rank_program.launch(__file__, out)
+    return out
+
+
+def _result(cfg: config_mod.JobConfig) -> dict:
+    return json.loads((cfg.run_dir / "result.json").read_text())
 
 
 def _final_layers(cfg, step):
@@ -33,31 +114,14 @@ def _final_layers(cfg, step):
     return [checkpoint.load_layer(directory, i) for i in range(cfg.model.num_layers)]
 
 
-def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(tmp_path):
+def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(out_dir):
     """R=2 x P=2 with one microbatch per replica: bitwise R=1 x P=2 and the reference; a run
     that migrates at every report (each replica over its own pipeline) is bitwise the same.
     The static run has one bucket per layer: each starts its all-reduce during the last
     backward (the run log's overlap event says so), and the bits do not change."""
-    common = ["pipeline.num_stages=2", "train.num_microbatches=2", "train.steps=6"]
-    common += ["checkpoint.at_end=true", "balance.interval=2"]
-    single = tiny_config(tmp_path / "r1", *common, "job.name=r1")
-    static = tiny_config(
-        tmp_path / "r2",
-        *common,
-        "pipeline.replicas=2",
-        "pipeline.grad_bucket_mb=1e-6",  # every bucket one layer
-        "job.name=r2",
-    )
-    moving = tiny_config(
-        tmp_path / "r2m",
-        *common,
-        "pipeline.replicas=2",
-        "balance.algorithm=optimal",
-        "balance.force_moves=true",
-        "job.name=r2m",
-    )
+    single, static, moving = bitwise_configs(out_dir)
     reference = train_reference(static)
-    got_single, got_static, got_moving = run_job(single), run_job(static), run_job(moving)
+    got_single, got_static, got_moving = _result(single), _result(static), _result(moving)
     assert got_static["losses"] == reference.losses  # bitwise
     assert got_static["losses"] == got_single["losses"]
     assert got_moving["losses"] == got_static["losses"]
@@ -99,14 +163,11 @@ def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(tmp_path):
             ), name
 
 
-def test_resume_onto_other_replica_and_stage_counts(tmp_path):
+def test_resume_onto_other_replica_and_stage_counts(out_dir, tmp_path):
     """Checkpoint at R=2 x P=2, resume onto R=1 x P=3 and R=2 x P=1: the same losses as the
     uninterrupted run within the reassociation bound (R=2 x P=1 sums like R=2 x P=2: bitwise)."""
-    common = ["train.num_microbatches=4", "train.steps=4", "checkpoint.every_steps=2"]
-    first = tiny_config(
-        tmp_path / "a", *common, "pipeline.replicas=2", "pipeline.num_stages=2", "job.name=dp"
-    )
-    whole = run_job(first)
+    first = resume_first_config(out_dir)
+    whole = _result(first)
     reference = train_reference(first)
     assert_losses_close(whole["losses"], reference.losses, rel=REASSOCIATION_REL)
     step_2 = first.run_dir / "checkpoint" / "step_2"
@@ -117,7 +178,7 @@ def test_resume_onto_other_replica_and_stage_counts(tmp_path):
         shutil.copytree(first.run_dir, out / "dp")
         cfg = tiny_config(
             out,
-            *common,
+            *RESUME_COMMON,
             f"pipeline.replicas={replicas}",
             f"pipeline.num_stages={stages}",
             "job.name=dp",
@@ -132,19 +193,13 @@ def test_resume_onto_other_replica_and_stage_counts(tmp_path):
             assert resumed == whole["losses"]  # the same reduction order: bitwise
 
 
-def test_a_scheme_with_replicas_is_bitwise_the_reference(tmp_path):
+def test_a_scheme_with_replicas_is_bitwise_the_reference(out_dir):
     """MoE under R=2 x P=2 (one microbatch per replica; routing differs between the replicas'
     microbatches): the losses are the reference's bit for bit, and the replicas' layers agree
     at the final checkpoint (checked there)."""
-    from tests.helpers.scheme_jobs import scheme_config
+    cfg = moe_config(out_dir)
+    assert _result(cfg)["losses"] == train_reference(cfg).losses
 
-    cfg = scheme_config(
-        tmp_path,
-        "moe",
-        "pipeline.replicas=2",
-        "pipeline.num_stages=2",
-        "train.num_microbatches=2",
-        "train.steps=6",
-        "checkpoint.at_end=true",
-    )
-    assert run_job(cfg)["losses"] == train_reference(cfg).losses
+
+if __name__ == "__main__":
+    rank_program.train_all(runs(Path(sys.argv[1])))

@@ -8,7 +8,6 @@ ranks it held. The resize loop itself is tested with a fake step, in millisecond
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from dynmo_hpc.launch.supervisor import StepResult, supervise
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
+from tests.helpers.elastic import run_static_and_packed
 from tests.helpers.jobs import tiny_config
 from tests.test_resume import assert_bitwise_equal
 
@@ -38,13 +38,8 @@ COMMON = ["pipeline.num_stages=4", "train.steps=8", "checkpoint.at_end=true"]
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_a_pack_from_four_to_two_stages_is_bitwise_invisible(tmp_path):
-    static = tiny_config(tmp_path, *COMMON, "job.name=static")
-    packed = tiny_config(tmp_path, *COMMON, *PACKING, "job.name=packed")
-    for cfg in (static, packed):
-        rc, _ = launch_local(cfg, timeout_s=240)
-        assert rc == 0, cfg.job.name
-    want = json.loads((static.run_dir / "result.json").read_text())
-    got = json.loads((packed.run_dir / "result.json").read_text())
+    runs = run_static_and_packed(tmp_path, COMMON, PACKING)
+    static, packed, want, got, run = runs.static, runs.packed, runs.want, runs.got, runs.run
     assert got["losses"] == want["losses"]
     assert len(got["parts"]) == 3, f"did not end on 2 stages: {got['parts']}"
     for index in range(static.model.num_layers):
@@ -53,8 +48,7 @@ def test_a_pack_from_four_to_two_stages_is_bitwise_invisible(tmp_path):
         assert_bitwise_equal(g["module"], w["module"], f"layer {index} weights")
         assert_bitwise_equal(g["optimizer"], w["optimizer"], f"layer {index} AdamW state")
 
-    run = load(packed.run_dir / "run.h5")
-    ranks = run.steps["num_ranks"].tolist()
+    ranks = runs.ranks
     assert ranks[0] == 4 and ranks[-1] == 2 and ranks == sorted(ranks, reverse=True)
     packs = run.events[run.events["kind"] == "pack"]["detail"].tolist()
     assert any(p["pack"] and p["to_stages"] == 2 for p in packs)

@@ -8,16 +8,14 @@ handling of a replica count is also checked with a fake step, in milliseconds.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from dynmo_hpc.handoff import resize
-from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import StepResult, supervise
-from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
+from tests.helpers.elastic import run_static_and_packed
 from tests.helpers.jobs import assert_losses_close, tiny_config
 from tests.test_data_parallel import REASSOCIATION_REL
 
@@ -41,17 +39,11 @@ COMMON = [
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_two_replicas_pack_to_one_with_the_same_losses(tmp_path):
-    static = tiny_config(tmp_path, *COMMON, "job.name=static")
-    packed = tiny_config(tmp_path, *COMMON, *PACKING, "job.name=packed")
-    for cfg in (static, packed):
-        rc, _ = launch_local(cfg, timeout_s=240)
-        assert rc == 0, cfg.job.name
-    want = json.loads((static.run_dir / "result.json").read_text())
-    got = json.loads((packed.run_dir / "result.json").read_text())
+    runs = run_static_and_packed(tmp_path, COMMON, PACKING)
+    packed, want, got, run = runs.packed, runs.want, runs.got, runs.run
     assert len(got["parts"]) == 3, f"did not end on 2 stages: {got['parts']}"
 
-    run = load(packed.run_dir / "run.h5")
-    ranks = run.steps["num_ranks"].tolist()
+    ranks = runs.ranks
     assert ranks[0] == 4 and ranks[-1] == 2 and ranks == sorted(ranks, reverse=True)
     packs = [p for p in run.events[run.events["kind"] == "pack"]["detail"] if p["pack"]]
     assert packs and (packs[0]["from_replicas"], packs[0]["to_replicas"]) == (2, 1)

@@ -3,37 +3,90 @@
 The same job, once with balancing forced to a new partition every 2 steps and once static, must
 produce bitwise-equal per-step losses and final parameters (weights and AdamW state move with
 their layer; clipping sums per-layer norms in global order, so the partition does not matter).
+
+Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage pair
+on all four ranks, the 2-stage pair on the two halves of the world at once, the one-stage runs
+on single ranks at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from dynmo_hpc import config as config_mod
 from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import run_job, tiny_config
+from tests.helpers import rank_program
+from tests.helpers.jobs import tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
+BALANCERS = ["optimal", "diffusion", "parameters"]
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
+
+def migration_configs(out_dir: Path, num_stages: int) -> tuple[config_mod.JobConfig, ...]:
+    """The static and the moving job on ``num_stages`` stages."""
     common = [
         f"pipeline.num_stages={num_stages}",
         "train.steps=10",
         "checkpoint.at_end=true",
         "balance.interval=2",
     ]
-    static_cfg = tiny_config(tmp_path / "static", *common, "balance.algorithm=static")
-    moving_cfg = tiny_config(
-        tmp_path / "moving", *common, "balance.algorithm=optimal", "balance.force_moves=true"
+    out = out_dir / f"p{num_stages}"
+    static = tiny_config(out / "static", *common, "balance.algorithm=static")
+    moving = tiny_config(
+        out / "moving", *common, "balance.algorithm=optimal", "balance.force_moves=true"
     )
-    static = run_job(static_cfg)
-    moving = run_job(moving_cfg)
+    return static, moving
+
+
+def one_stage_config(out_dir: Path, algorithm: str) -> config_mod.JobConfig:
+    return tiny_config(
+        out_dir / f"one_{algorithm}",
+        "pipeline.num_stages=1",
+        f"balance.algorithm={algorithm}",
+        "balance.interval=1",
+        "train.steps=3",
+        "checkpoint.at_end=true",
+    )
+
+
+def runs(out_dir: Path) -> rank_program.Runs:
+    static_4, moving_4 = migration_configs(out_dir, 4)
+    static_2, moving_2 = migration_configs(out_dir, 2)
+    one_stage = [(f"self{i}", one_stage_config(out_dir, a)) for i, a in enumerate(BALANCERS)]
+    return [
+        ("half0", static_2),
+        ("half1", moving_2),
+        *one_stage,
+        ("world", static_4),
+        ("world", moving_4),
+    ]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of the one launch that trained every run."""
+    out = tmp_path_factory.mktemp("migration")
+    rank_program.launch(__file__, out)
+    return out
+
+
+def _result(cfg: config_mod.JobConfig) -> dict:
+    return json.loads((cfg.run_dir / "result.json").read_text())
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_forced_migration_is_bitwise_invisible(out_dir, num_stages):
+    static_cfg, moving_cfg = migration_configs(out_dir, num_stages)
+    static = _result(static_cfg)
+    moving = _result(moving_cfg)
     assert moving["losses"] == static["losses"]  # bitwise
 
     log = load(moving_cfg.run_dir / "run.h5")
@@ -75,19 +128,12 @@ def test_forced_migration_is_bitwise_invisible(tmp_path, num_stages):
                 assert torch.equal(value, b["optimizer"]["state"][pid][key]), (index, pid, key)
 
 
-@pytest.mark.parametrize("algorithm", ["optimal", "diffusion", "parameters"])
-def test_one_stage_trains_with_a_balancer(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm", BALANCERS)
+def test_one_stage_trains_with_a_balancer(out_dir, algorithm):
     """One stage has no link to measure (bandwidth inf) and nothing to move: the job trains,
     reports, never migrates, and its checkpoint's run state is strict JSON."""
-    cfg = tiny_config(
-        tmp_path,
-        "pipeline.num_stages=1",
-        f"balance.algorithm={algorithm}",
-        "balance.interval=1",
-        "train.steps=3",
-        "checkpoint.at_end=true",
-    )
-    result = run_job(cfg)
+    cfg = one_stage_config(out_dir, algorithm)
+    result = _result(cfg)
     assert result["completed_steps"] == 3 and len(result["losses"]) == 3
     assert result["parts"] == [0, cfg.model.num_layers]
     log = load(cfg.run_dir / "run.h5")
@@ -101,3 +147,7 @@ def test_one_stage_trains_with_a_balancer(tmp_path, algorithm):
     state = json.loads(state_text, parse_constant=refuse)
     assert state["balancer"]["bandwidth_bytes_per_s"] is None
     assert state["balancer"]["num_reports"] == 3
+
+
+if __name__ == "__main__":
+    rank_program.train_all(runs(Path(sys.argv[1])))

@@ -4,16 +4,27 @@ Per-step training losses of the real MPI pipeline (P ranks, 1F1B or GPipe, sever
 counts) must equal the single-process, non-pipelined reference within 1e-5 relative (fp32, same
 seed). In practice they agree bitwise: the engine chains per-layer gradients in the same order as
 one autograd backward, and gradient clipping sums per-layer norms in global layer order.
+
+Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage runs
+on all four ranks, the 2-stage runs on the two halves of the world at once, the 1-stage run on
+rank 0 alone. The ``torch.distributed`` transport runs last on the second half (its process
+group spans that half).
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from dynmo_hpc import config as config_mod
 from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.pipeline.reference import train_reference
-from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
+from tests.helpers import rank_program
+from tests.helpers.jobs import assert_losses_close, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -28,31 +39,75 @@ CASES = [
     (4, 2, "gpipe"),
     (3, 5, "1f1b-slack"),
 ]
+RUN_ON = {
+    # CASES entry -> the communicator it trains on (tests/helpers/rank_program.py)
+    (1, 2, "1f1b"): "self0",
+    (2, 1, "1f1b"): "half0",
+    (2, 4, "1f1b"): "half0",
+    (2, 3, "gpipe"): "half1",
+    (4, 4, "1f1b"): "world",
+    (4, 6, "1f1b"): "world",
+    (4, 2, "gpipe"): "world",
+}
 
 
-@pytest.mark.parametrize(("num_stages", "num_microbatches", "schedule"), CASES)
-def test_losses_match_single_process(tmp_path, num_stages, num_microbatches, schedule):
-    cfg = tiny_config(
-        tmp_path,
+def case_config(
+    out_dir: Path, num_stages: int, num_microbatches: int, schedule: str
+) -> config_mod.JobConfig:
+    return tiny_config(
+        out_dir,
         f"pipeline.num_stages={num_stages}",
         f"train.num_microbatches={num_microbatches}",
         f"pipeline.schedule={schedule}",
         "train.steps=10",
         f"job.name=parity_{num_stages}_{num_microbatches}_{schedule}",
     )
-    reference = train_reference(cfg)
-    result = run_job(cfg)
-    assert_losses_close(result["losses"], reference.losses, rel=1e-5)
-    assert result["losses"][-1] < result["losses"][0], "the model should learn"
 
 
-def test_final_parameters_match_reference(tmp_path):
-    """The checkpoint written by a 4-stage run holds the reference's final weights."""
-    cfg = tiny_config(
-        tmp_path, "pipeline.num_stages=4", "checkpoint.at_end=true", "job.name=params"
+def params_config(out_dir: Path) -> config_mod.JobConfig:
+    return tiny_config(
+        out_dir, "pipeline.num_stages=4", "checkpoint.at_end=true", "job.name=params"
     )
+
+
+def torch_p2p_config(out_dir: Path) -> config_mod.JobConfig:
+    return tiny_config(out_dir, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
+
+
+def runs(out_dir: Path) -> rank_program.Runs:
+    return [
+        *[(RUN_ON[case], case_config(out_dir, *case)) for case in CASES],
+        ("world", params_config(out_dir)),
+        ("half1", torch_p2p_config(out_dir)),  # last: it sets up torch.distributed
+    ]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of the one launch that trained every run."""
+    out = tmp_path_factory.mktemp("pipeline_parity")
+    rank_program.launch(__file__, out)
+    return out
+
+
+def _losses(cfg: config_mod.JobConfig) -> list[float]:
+    losses: list[float] = json.loads((cfg.run_dir / "result.json").read_text())["losses"]
+    return losses
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches", "schedule"), CASES)
+def test_losses_match_single_process(out_dir, num_stages, num_microbatches, schedule):
+    cfg = case_config(out_dir, num_stages, num_microbatches, schedule)
     reference = train_reference(cfg)
-    run_job(cfg)
+    losses = _losses(cfg)
+    assert_losses_close(losses, reference.losses, rel=1e-5)
+    assert losses[-1] < losses[0], "the model should learn"
+
+
+def test_final_parameters_match_reference(out_dir):
+    """The checkpoint written by a 4-stage run holds the reference's final weights."""
+    cfg = params_config(out_dir)
+    reference = train_reference(cfg)
     directory = resolve(cfg.run_dir)[0].path  # the newest checkpoint
     for index, state in reference.state.items():
         saved = load_layer(directory, index)
@@ -64,9 +119,12 @@ def test_final_parameters_match_reference(tmp_path):
         assert opt_state and all(float(s["step"]) == cfg.train.steps for s in opt_state.values())
 
 
-def test_torch_distributed_transport_matches_reference(tmp_path):
+def test_torch_distributed_transport_matches_reference(out_dir):
     """runtime.p2p=torch (gloo here, NCCL on GPUs) gives the same losses as the reference."""
-    cfg = tiny_config(tmp_path, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
+    cfg = torch_p2p_config(out_dir)
     reference = train_reference(cfg)
-    result = run_job(cfg)
-    assert_losses_close(result["losses"], reference.losses, rel=1e-5)
+    assert_losses_close(_losses(cfg), reference.losses, rel=1e-5)
+
+
+if __name__ == "__main__":
+    rank_program.train_all(runs(Path(sys.argv[1])))

@@ -8,11 +8,15 @@ job some steps after a periodic checkpoint (a crash: nothing saved at the end, s
 the third resumes from the newest complete checkpoint, on a third stage count, and finishes.
 The chain's per-step losses, final weights and AdamW state must equal the reference's bitwise,
 and its one run log must show two restarts and one authoritative row per step.
+
+The seven uninterrupted reference runs train in one ``mpiexec`` launch
+(:mod:`tests.helpers.rank_program`); each chain's three launches are launched as a user would.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from dynmo_hpc.cli.run import resolve_resume
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
+from tests.helpers import rank_program
 from tests.helpers.scheme_jobs import scheme_config
 
 NUM_STEPS = 8
@@ -61,6 +66,36 @@ def _config(tmp_path: Path, case: str, name: str, *overrides: str) -> config_mod
     )
 
 
+REFERENCE_ON = {
+    # case -> the communicator its reference run trains on (its second launch's stage count)
+    "plain": "half0",
+    "early_exit": "half1",
+    "moe": "trio",
+    "pruning": "trio",
+    "freezing": "trio",
+    "sparse_attention": "trio",
+    "mod": "trio",  # last on its ranks: runtime.p2p=torch sets up torch.distributed
+}
+
+
+def reference_config(out_dir: Path, case: str) -> config_mod.JobConfig:
+    """The uninterrupted run of ``case``, on its second launch's stage count."""
+    second = CASES[case]["stages"][1]
+    return _config(out_dir / case, case, "reference", f"pipeline.num_stages={second}")
+
+
+def runs(out_dir: Path) -> rank_program.Runs:
+    return [(REFERENCE_ON[case], reference_config(out_dir, case)) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of the one launch that trained every case's reference run."""
+    out = tmp_path_factory.mktemp("resume_references")
+    rank_program.launch(__file__, out)
+    return out
+
+
 def _launch(cfg: config_mod.JobConfig, resume: bool = False) -> int:
     resume_from = resolve_resume(cfg, "") if resume else None
     rc, _ = launch_local(cfg, timeout_s=240, resume_from=resume_from)
@@ -94,10 +129,10 @@ def assert_bitwise_equal(got: Any, want: Any, where: str) -> None:
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", list(CASES))
-def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(tmp_path, case):
+def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(references, tmp_path, case):
     first, second, third = CASES[case]["stages"]
-    reference = _config(tmp_path, case, "reference", f"pipeline.num_stages={second}")
-    assert _launch(reference) == 0
+    reference = reference_config(references, case)
+    assert reference.pipeline.num_stages == second
     want = json.loads((reference.run_dir / "result.json").read_text())
 
     # Launch 1: SIGTERM during step 1 -> stops after step 2 with a checkpoint, exits 0.
@@ -219,3 +254,7 @@ def test_resume_rules_keep_history_and_apply_allowed_changes(tmp_path):
     }
     lrs = dict(zip(run_log.steps["step"], run_log.steps["lr"], strict=True))
     assert lrs[5] == pytest.approx(lr_at(5, changed.train))
+
+
+if __name__ == "__main__":
+    rank_program.train_all(runs(Path(sys.argv[1])))

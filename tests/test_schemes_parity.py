@@ -6,16 +6,25 @@ structures to prune, when to freeze). Those decisions must come out the same on 
 the losses of 2 and 4 real ranks must match ``train_reference`` within 1e-5 relative. The
 overrides (``SCHEME_OVERRIDES`` in ``tests/helpers/scheme_jobs.py``) make each mechanism act
 within the four steps; the run log's ``scheme_stats`` events confirm that it did.
+
+Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): each 4-stage run
+on all four ranks, the 2-stage runs on the two halves of the world at once.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
+from dynmo_hpc import config as config_mod
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import assert_losses_close, run_job
+from tests.helpers import rank_program
+from tests.helpers.jobs import assert_losses_close
 from tests.helpers.scheme_jobs import scheme_acted, scheme_config, scheme_events
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -24,14 +33,38 @@ BUILTIN_NAMES = [scheme.name for scheme in BUILTIN_SCHEMES]
 """Every built-in scheme, from the registry (a new one needs its SCHEME_OVERRIDES entry)."""
 
 
+def case_config(out_dir: Path, scheme: str, num_stages: int) -> config_mod.JobConfig:
+    return scheme_config(
+        out_dir, scheme, f"pipeline.num_stages={num_stages}", f"job.name={scheme}_{num_stages}"
+    )
+
+
+def runs(out_dir: Path) -> rank_program.Runs:
+    on_world = [("world", case_config(out_dir, scheme, 4)) for scheme in BUILTIN_NAMES]
+    on_halves = [
+        (f"half{i % 2}", case_config(out_dir, scheme, 2)) for i, scheme in enumerate(BUILTIN_NAMES)
+    ]
+    return [*on_world, *on_halves]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of the one launch that trained every run."""
+    out = tmp_path_factory.mktemp("schemes_parity")
+    rank_program.launch(__file__, out)
+    return out
+
+
 @pytest.mark.parametrize("num_stages", [2, 4])
 @pytest.mark.parametrize("scheme", BUILTIN_NAMES)
-def test_scheme_losses_match_single_process(tmp_path, scheme, num_stages):
-    cfg = scheme_config(
-        tmp_path, scheme, f"pipeline.num_stages={num_stages}", f"job.name={scheme}_{num_stages}"
-    )
+def test_scheme_losses_match_single_process(out_dir, scheme, num_stages):
+    cfg = case_config(out_dir, scheme, num_stages)
     reference = train_reference(cfg)
-    result = run_job(cfg)
+    result = json.loads((cfg.run_dir / "result.json").read_text())
     assert_losses_close(result["losses"], reference.losses, rel=1e-5)
     events = scheme_events(load(cfg.run_dir / "run.h5").events)
     assert scheme_acted(scheme, events), f"{scheme} did not act in the parity run: {events}"
+
+
+if __name__ == "__main__":
+    rank_program.train_all(runs(Path(sys.argv[1])))
