@@ -6,9 +6,9 @@ seed). In practice they agree bitwise: the engine chains per-layer gradients in 
 one autograd backward, and gradient clipping sums per-layer norms in global layer order.
 
 Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage runs
-on all four ranks, the 2-stage runs on the two halves of the world at once, the 1-stage run on
-rank 0 alone. The ``torch.distributed`` transport runs last on the second half (its process
-group spans that half).
+on all four ranks, the 3-stage run on ranks 0-2, the 2-stage runs on the two halves of the world
+at once, the 1-stage run on rank 0 alone. The ``torch.distributed`` transport runs last on the
+second half (its process group spans that half).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ RUN_ON = {
     (4, 4, "1f1b"): "world",
     (4, 6, "1f1b"): "world",
     (4, 2, "gpipe"): "world",
+    (3, 5, "1f1b-slack"): "trio",
 }
 
 
