@@ -138,17 +138,10 @@ def test_op_kind_overheads_and_weight_rate_are_recovered() -> None:
     assert summarize(validate(samples, plain)).max_any > 0.2
 
 
-@pytest.mark.parametrize(
-    ("name", "within", "max_error"),
-    [("cost_samples_2core_idle.json", 36, 0.15), ("cost_samples_2core.json", 34, 0.24)],
-)
-def test_the_committed_samples_hold_out_width_192(name: str, within: int, max_error: float) -> None:
-    """What docs/simulate.md reports: fitted on widths 32, 64, 128 and 256 of each committed
-    sample file, ``within`` of the 36 layers of width 192 are within 15 % (forward, backward and
-    their sum; every one on the idle machine's samples), the worst under ``max_error`` and the
-    median sum under 5 %."""
+def committed_samples(name: str) -> list[Sample]:
+    """The samples of ``benchmarks/<name>`` (written by benchmarks/fit_cost_model.py)."""
     data = json.loads((ROOT / "benchmarks" / name).read_text())
-    samples = [
+    return [
         Sample(
             label=item["label"],
             shape=LayerShape(**item["shape"]),
@@ -158,6 +151,22 @@ def test_the_committed_samples_hold_out_width_192(name: str, within: int, max_er
         )
         for item in data["samples"]
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "within", "max_error"),
+    [
+        ("cost_samples_2core_idle.json", 36, 0.15),
+        ("cost_samples_2core.json", 34, 0.24),
+        ("cost_samples_2core_fresh.json", 35, 0.18),
+    ],
+)
+def test_the_committed_samples_hold_out_width_192(name: str, within: int, max_error: float) -> None:
+    """What docs/simulate.md reports: fitted on widths 32, 64, 128 and 256 of each committed
+    sample file, ``within`` of the 36 layers of width 192 are within 15 % (forward, backward and
+    their sum; every one on the idle machine's samples), the worst under ``max_error`` and the
+    median sum under 5 %."""
+    samples = committed_samples(name)
     fit_on, held = split_width(samples, 192)
     errors = validate(held, fit_rates(fit_on))
     worst = [max(abs(e.forward_error), abs(e.backward_error), abs(e.total_error)) for e in errors]
@@ -251,3 +260,15 @@ def test_measure_fit_predict_end_to_end_on_small_layers() -> None:
     assert pruned.mlp.c_fc.out_features == 128
     mod = next(c for c in cases if c.label == "d64/t64/b2/mod0.25")
     assert mod.state.tokens_kept == 16 / 64
+
+
+def test_fresh_samples_every_layer_total_within_15_percent_at_width_192() -> None:
+    """The check made after the model's terms were chosen: samples measured afterwards on the
+    idle machine (benchmarks/cost_samples_2core_fresh.json), fitted without width 192; each
+    layer's forward plus backward at width 192 is within 15 % (the one pass outside it is the
+    embedding's 0.16 ms forward at 64 tokens x 2)."""
+    samples = committed_samples("cost_samples_2core_fresh.json")
+    fit_on, held = split_width(samples, 192)
+    errors = validate(held, fit_rates(fit_on))
+    assert len(errors) == 36
+    assert max(abs(e.total_error) for e in errors) < 0.15
