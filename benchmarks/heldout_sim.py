@@ -21,7 +21,10 @@ What it does, in order:
         --write-machine dynmo_hpc/sim/machines/cpu_2core.json --json-out /tmp/heldout.json \\
         --markdown-out /tmp/heldout.md
 
-(writing the shipped calibration, so the hidden case runs with simulate's default). The 18
+(writing the shipped calibration, so the hidden case runs with simulate's default).
+``--repeats N`` makes every run N times (repeat r > 0 named ``NAME_r<r>``, so an earlier single
+invocation's runs are repeat 0): the calibration is fitted on all of them, and each pair compares
+the medians over its repeats (:func:`dynmo_hpc.sim.heldout.median_row`). The 18
 earlier runs took 6-55 s each on the development machine (about 4 minutes with the load average
 near 1); the two 40-step elastic runs of the packing pair about a minute each under load.
 Analysis alone, with all runs present, a few seconds.
@@ -55,6 +58,7 @@ from dynmo_hpc.sim.heldout import (  # noqa: E402
     external_ratio,
     fit_machine,
     measured_step_s,
+    median_row,
     predict,
     predict_pair,
     target_settings,
@@ -150,6 +154,33 @@ def ensure_run(run: ShortRun, runs_dir: Path) -> Path:
         raise SystemExit(f"run {run.name} failed with exit code {rc}")
     print(f"  {run.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return run_dir / "run.h5"
+
+
+def repeat_names(name: str, repeats: int) -> list[str]:
+    """The run names of ``name``'s repeats: ``name`` itself, then ``name_r1`` ..."""
+    return [name, *(f"{name}_r{r}" for r in range(1, repeats))]
+
+
+def repeated(runs: tuple[ShortRun, ...], repeats: int) -> tuple[ShortRun, ...]:
+    """Every run ``repeats`` times, under :func:`repeat_names` (repeat 0 keeps its name, so
+    the runs of an earlier single invocation count as repeat 0)."""
+    return tuple(
+        dataclasses.replace(run, name=name)
+        for run in runs
+        for name in repeat_names(run.name, repeats)
+    )
+
+
+def pair_row(
+    logs: dict[str, RunLog], machine: MachineModel, source: str, target: str, repeats: int
+) -> HeldOutRow:
+    """The pair's row: repeat r of ``target`` predicted from repeat r of ``source``, then the
+    medians over repeats (:func:`dynmo_hpc.sim.heldout.median_row`)."""
+    rows = [
+        predict_pair(logs[x], logs[y], machine, (x, y))
+        for x, y in zip(repeat_names(source, repeats), repeat_names(target, repeats), strict=True)
+    ]
+    return median_row([dataclasses.replace(r, source=source, target=target) for r in rows])
 
 
 def hidden_case(path: Path, machine_file: Path) -> dict[str, Any]:
@@ -258,7 +289,12 @@ def markdown(
         f"{len(rows)} held-out pairs.",
         "",
         f"Hidden case (`{hidden['command']}`): measured {hidden['measured_step_s']:.4f} s, "
-        f"predicted {hidden['predicted_step_s']:.4f} s, {hidden['ratio']:.3f}x.",
+        f"predicted {hidden['predicted_step_s']:.4f} s, {hidden['ratio']:.3f}x."
+        + (
+            " Over its repeats: " + ", ".join(f"{x:.3f}x" for x in hidden["repeat_ratios"]) + "."
+            if "repeat_ratios" in hidden
+            else ""
+        ),
         "",
         "| hidden case, model | predicted / measured |",
         "| --- | --- |",
@@ -302,6 +338,13 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, help="the table as JSON")
     parser.add_argument("--markdown-out", type=Path, help="the table as markdown")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each job (repeat r > 0 named NAME_r<r>); each pair's figures are the "
+        "medians over repeats, the calibration is fitted on every repeat",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smallest set that exercises every part (2 calibration runs, the first pair, the "
@@ -317,8 +360,11 @@ def main() -> None:
         held_out = tuple(r for r in HELD_OUT if r.name in needed)
         calibration = tuple(dataclasses.replace(r, steps=8) for r in calibration)
         held_out = tuple(dataclasses.replace(r, steps=8) for r in held_out)
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats {args.repeats} must be >= 1")
+    calibration = repeated(calibration, args.repeats)
     paths: dict[str, Path] = {}
-    for run in (*calibration, *held_out):
+    for run in (*calibration, *repeated(held_out, args.repeats)):
         paths[run.name] = ensure_run(run, args.runs_dir)
         if args.rerun_loaded and external_ratio(load(paths[run.name]), base) > LOADED:
             print(f"  {run.name}: other processes ran; once more", file=sys.stderr, flush=True)
@@ -337,10 +383,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         machine_file = args.write_machine or Path(tmp) / "machine.json"
         save_machine(machine, machine_file)
-        rows = [predict_pair(logs[x], logs[y], machine, (x, y)) for x, y in pairs]
+        rows = [pair_row(logs, machine, x, y, args.repeats) for x, y in pairs]
         hidden = hidden_case(paths[HIDDEN], machine_file)
+        if args.repeats > 1:
+            names = repeat_names(HIDDEN, args.repeats)
+            hidden["repeat_ratios"] = [hidden_case(paths[n], machine_file)["ratio"] for n in names]
     hidden["terms"] = hidden_terms(logs[HIDDEN], machine)
-    load_of = {r.name: external_ratio(logs[r.name], machine) for r in held_out}
+    load_of = {
+        r.name: max(external_ratio(logs[n], machine) for n in repeat_names(r.name, args.repeats))
+        for r in held_out
+    }
     print(format_table(rows))
     print(
         f"hidden case: {hidden['command']}\n  measured {hidden['measured_step_s']:.4f} s, "

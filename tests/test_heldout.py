@@ -16,12 +16,14 @@ import pytest
 from dynmo_hpc.cli import main
 from dynmo_hpc.runlog import load
 from dynmo_hpc.sim.heldout import (
+    HeldOutRow,
     after_pack_s,
     check_same_job,
     external_ratio,
     fit_machine,
     fit_oversubscribed,
     measured_step_s,
+    median_row,
     predict,
     predict_pair,
     target_settings,
@@ -354,11 +356,21 @@ def test_cli_defaults_to_the_shipped_calibration_and_says_so(
     shipped = f"; calibration: {SHIPPED / 'cpu_2core.json'} (shipped for this machine)"
     assert out.splitlines()[0].endswith(shipped)
     default = float(out.splitlines()[-1].split()[1])
-    rc, out, _ = _cli(["--from", str(runs["src"]), "--algorithms", "uniform", "--machine",
-                       str(SHIPPED / "cpu_2core.json")], capsys)  # fmt: skip
+    rc, out, _ = _cli(
+        [
+            "--from",
+            str(runs["src"]),
+            "--algorithms",
+            "uniform",
+            "--machine",
+            str(SHIPPED / "cpu_2core.json"),
+        ],
+        capsys,
+    )
     assert float(out.splitlines()[-1].split()[1]) == default
-    rc, out, _ = _cli(["--from", str(runs["src"]), "--algorithms", "uniform", "--machine",
-                       "none"], capsys)  # fmt: skip
+    rc, out, _ = _cli(
+        ["--from", str(runs["src"]), "--algorithms", "uniform", "--machine", "none"], capsys
+    )
     assert out.splitlines()[0].endswith("; calibration: none (compute-only model)")
     assert float(out.splitlines()[-1].split()[1]) < default  # no overheads, no sharing
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(7)))
@@ -448,3 +460,37 @@ def test_heldout_script_keeps_the_layer_rates_of_the_file_it_rewrites(tmp_path: 
     save_machine(fitted, target)
     assert keep(fitted, target).layer_rates is None
     assert keep(fitted, tmp_path / "missing.json") == fitted
+
+
+def test_median_row_takes_each_figure_over_the_repeats() -> None:
+    """Three repeats of one pair: every measured and predicted step is its median; the speedups
+    and errors follow from those medians; rows of another pair are refused."""
+    settings = target_settings(
+        {
+            "pipeline": {"num_stages": 2, "schedule": "1f1b"},
+            "train": {"num_microbatches": 4, "steps": 20},
+            "balance": {"algorithm": "optimal", "interval": 5, "margin": 0.1, "smoothing": 0.5},
+        }
+    )
+    figures = [(1.0, 0.5, 0.9, 0.6), (3.0, 0.7, 1.1, 0.4), (2.0, 0.6, 1.0, 0.5)]
+    rows = [
+        HeldOutRow(
+            source="x",
+            target="y",
+            target_settings=settings,
+            measured_source_s=a,
+            measured_target_s=b,
+            predicted_source_s=c,
+            predicted_target_s=d,
+        )
+        for a, b, c, d in figures
+    ]
+    row = median_row(rows)
+    assert (row.measured_source_s, row.measured_target_s) == (2.0, 0.6)
+    assert (row.predicted_source_s, row.predicted_target_s) == (1.0, 0.5)
+    assert row.measured_speedup == pytest.approx(2.0 / 0.6)
+    assert row.step_error == pytest.approx(0.5 / 0.6 - 1)
+    with pytest.raises(ValueError, match="one pair"):
+        median_row([rows[0], replace(rows[1], target="z")])
+    with pytest.raises(ValueError, match="at least one"):
+        median_row([])

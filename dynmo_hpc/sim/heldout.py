@@ -214,6 +214,32 @@ class HeldOutRow:
         }
 
 
+def median_row(rows: Sequence[HeldOutRow]) -> HeldOutRow:
+    """One pair's row over repeats of both runs: each measured and predicted step the median
+    of its repeats (repeat ``r`` of the target predicted from repeat ``r`` of the source).
+
+    Why: a short run's median step on the shared 2-core machine moves 15-30 % between runs
+    made minutes apart, more than the 10 % the table checks; the median of a few repeats of
+    each run is what the pair compares. Raises ValueError for no rows or rows of different
+    pairs."""
+    if not rows:
+        raise ValueError("median_row needs at least one row")
+    first = rows[0]
+    if any((r.source, r.target) != (first.source, first.target) for r in rows):
+        raise ValueError("median_row: the rows must all be repeats of one pair")
+
+    def median(field: str) -> float:
+        return float(statistics.median(getattr(r, field) for r in rows))
+
+    return replace(
+        first,
+        measured_source_s=median("measured_source_s"),
+        measured_target_s=median("measured_target_s"),
+        predicted_source_s=median("predicted_source_s"),
+        predicted_target_s=median("predicted_target_s"),
+    )
+
+
 def after_pack_s(run: RunLog) -> tuple[int, float] | None:
     """A run that packed: the step of its first ``resize`` event (the last step on the old
     stages) and its median logged step time over the steps after it; None if it never packed."""
