@@ -31,3 +31,13 @@ class CheckpointError(DynmoError, RuntimeError):
 
 class RunLogError(DynmoError, ValueError):
     """A run log is missing, damaged, not a dynmo_hpc run log, or unreadable by this version."""
+
+
+class Interrupted(DynmoError):
+    """A command was asked to stop (Ctrl-C, SIGTERM, SIGHUP) and stopped: not an error of the
+    user's input, but the command must not carry on to its next piece of work. The CLI prints
+    the message and exits ``128 + signum``, as a shell does for a process a signal ended."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum

@@ -229,8 +229,19 @@ def test_noise_rule_and_migrations_set_steps_aside() -> None:
     ratios[9] = 1.25  # above 1.2 x the median 1.0
     marked = mark_steps(_steps(times, ratios, 4), [3, 7])
     assert marked["migration"].tolist() == [
-        False, False, False, True, True, False, False, True, True, False, False, False,
-    ]  # fmt: skip
+        False,
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert marked["noisy"].tolist() == [s == 9 for s in range(12)]
     assert marked["kept"].sum() == 7
     comparison = compare_arms([marked], 4, 0, 12)
@@ -333,9 +344,16 @@ def test_headline_puts_each_balancer_against_the_reference_split() -> None:
             total=(10, 10),
         )
         return ABRow(
-            scheme="pruning", static=static, balancer=balancer, phase="steady", steps=(25, 120),
-            repeats=1, comparison=comparison, ceiling=1.25, tokens_per_step=1000,
-        )  # fmt: skip
+            scheme="pruning",
+            static=static,
+            balancer=balancer,
+            phase="steady",
+            steps=(25, 120),
+            repeats=1,
+            comparison=comparison,
+            ceiling=1.25,
+            tokens_per_step=1000,
+        )
 
     rows = [
         row("uniform", "optimal", 0.5, 0.4, [1.1, 1.2, 1.3]),
@@ -345,9 +363,12 @@ def test_headline_puts_each_balancer_against_the_reference_split() -> None:
     lines = render_ab_headline(rows)
     header = [c.strip() for c in lines[2].split("|")[1:-1]]
     assert header[2:] == [
-        algorithm_label("uniform"), algorithm_label("parameters"), algorithm_label("optimal"),
-        algorithm_label("diffusion"), "ceiling over uniform",
-    ]  # fmt: skip
+        algorithm_label("uniform"),
+        algorithm_label("parameters"),
+        algorithm_label("optimal"),
+        algorithm_label("diffusion"),
+        "ceiling over uniform",
+    ]
     cells = [c.strip() for c in lines[4].split("|")[1:-1]]
     assert cells[:2] == ["pruning", "steady 25-119"]
     assert cells[2] == "2000" and cells[3] == "4000"  # arm A of each static split's runs
@@ -390,3 +411,48 @@ def test_run_ceilings_price_each_report_with_its_intervals_overheads() -> None:
     # one microbatch through both stages: 4 s on any 2-stage split of 2 layers; plus the tail 1
     assert plain[1].static_step_s == 4.0 and honest[1].static_step_s == 5.0
     assert honest[3].static_step_s == 5.0
+
+
+def test_a_signal_that_stops_a_run_stops_the_bench(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM to ``dynmo-hpc bench`` reaches the run's ranks, which stop cleanly (exit 0 with
+    the signal recorded): the bench must stop there, exit 128 + 15 and say where the run is,
+    rather than go on to its next run (it did: a killed bench kept training)."""
+    import signal
+
+    from dynmo_hpc import config as config_mod
+    from dynmo_hpc.cli import bench_ab
+    from dynmo_hpc.errors import Interrupted
+    from dynmo_hpc.launch import local
+    from dynmo_hpc.launch.supervisor import JobOutcome
+
+    calls: list[str] = []
+
+    def stopped(cfg: config_mod.JobConfig, **_: object) -> JobOutcome:
+        calls.append(cfg.job.name)
+        return JobOutcome(exit_code=0, failures=[], restarts=0, interrupted=signal.SIGTERM)
+
+    monkeypatch.setattr(local, "run_local", stopped)
+    cfg = tiny_config(tmp_path, "job.name=stopped")
+    with pytest.raises(Interrupted, match=r"interrupted \(SIGTERM\) during stopped") as caught:
+        bench_ab.train_run("stopped", cfg)
+    assert caught.value.signum == signal.SIGTERM
+    from dynmo_hpc.cli import main
+
+    rc = main(
+        [
+            "bench",
+            "--schemes",
+            "plain",
+            "--algorithms",
+            "uniform,optimal",
+            "--steps",
+            "10",
+            "--out",
+            str(tmp_path / "bench"),
+        ]
+    )
+    assert rc == 128 + signal.SIGTERM
+    assert len(calls) == 2  # the direct call, then the bench's first run only
+    assert "interrupted (SIGTERM)" in capsys.readouterr().err

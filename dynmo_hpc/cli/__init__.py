@@ -15,7 +15,7 @@ import sys
 
 from dynmo_hpc.cli import bench, plan, report, run, simulate, slurm
 from dynmo_hpc.cli.errors import OneLineParser, error_line
-from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.errors import DynmoError, Interrupted
 from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.version import __version__
 
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except Interrupted as exc:
+        print(str(exc), file=sys.stderr)
+        return 128 + exc.signum
     except (DynmoError, FileNotFoundError, ValueError) as exc:
         hint = f"see dynmo-hpc {args.command} --help"
         print(error_line(exc, hint), file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from dynmo_hpc.bench.algorithms import algorithm_overrides
 from dynmo_hpc.bench.output import write_ab_chart, write_ab_results_h5
 from dynmo_hpc.bench.summary import BenchError, check_same_losses, max_loss_difference
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.errors import DynmoError, Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,22 @@ def _period(args: argparse.Namespace, cfg: JobConfig) -> int:
 
 def train_run(name: str, cfg: JobConfig) -> tuple[Any, float]:
     """Train one bench run on local ranks (replacing an earlier run of the same name); its run
-    log and wall seconds. A failed run is a :class:`BenchError` naming where its output is."""
+    log and wall seconds. A failed run is a :class:`BenchError` naming where its output is; a
+    run stopped by a signal (Ctrl-C, SIGTERM: the launcher passes it to the ranks, which stop
+    cleanly) is :class:`~dynmo_hpc.errors.Interrupted`, so the bench does not go on to its next
+    run."""
     from dynmo_hpc.launch.local import run_local
     from dynmo_hpc.runlog import load as load_runlog
 
     t0 = time.perf_counter()
     outcome = run_local(cfg, overwrite=True)
     wall_s = time.perf_counter() - t0
+    if outcome.interrupted:  # the ranks stopped early and cleanly: stop the bench too
+        raise Interrupted(
+            outcome.interrupted,
+            f"interrupted ({signal.Signals(outcome.interrupted).name}) during {name}: the bench "
+            f"stops; that run's checkpoint and log are in {cfg.run_dir}",
+        )
     if outcome.exit_code != 0:
         raise BenchError(
             f"{name}: training failed with exit code {outcome.exit_code}; its output and "
