@@ -54,7 +54,7 @@ def test_unknown_section(tmp_path):
         ("train:\n  steps: ten\n", r"train.steps='ten' must be an integer"),
         ("train:\n  lr: fast\n", r"train.lr='fast' must be a number"),
         ("checkpoint:\n  at_end: 3\n", r"must be true or false"),
-        ("pipeline:\n  schedule: zigzag\n", r"choose one of \['1f1b', 'gpipe'\]"),
+        ("pipeline:\n  schedule: zigzag\n", r"choose one of \['1f1b', '1f1b-slack', 'gpipe'\]"),
         ("train:\n  num_microbatches: 0\n", r"train.num_microbatches=0 must be >= 1"),
         ("model:\n  d_model: 100\n  num_heads: 3\n", r"d_model\(100\) % model.num_heads\(3\)"),
         (
