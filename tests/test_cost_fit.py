@@ -251,8 +251,12 @@ def test_measure_fit_predict_end_to_end_on_small_layers() -> None:
         torch.set_num_threads(threads)
     assert [s.label for s in samples] == [c.label for c in cases]
     assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples)
-    fit_on, held = split_width(samples, 64)
-    errors = validate(held, fit_rates(fit_on))
+    # Predicted with rates the committed idle samples fix (eleven unknowns need all five widths
+    # and three shapes: a fit on 24 layers measured here in seconds, on a loaded machine, may
+    # leave a rate unfixed, which fit_rates refuses by design). The fit itself is checked on
+    # the committed files above.
+    _, held = split_width(samples, 64)
+    errors = validate(held, fit_rates(committed_samples("cost_samples_2core_idle.json")))
     assert len(errors) == len(held) == 12
     assert all(math.isfinite(e.total_error) for e in errors)
     # The layers built are the states named: half the neurons, a quarter of the tokens kept.
