@@ -339,6 +339,10 @@ def test_ctrl_c_stops_a_report_stuck_on_a_damaged_file(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env=_cli_env(),
+        # A user's Ctrl-C reaches a foreground command, whose SIGINT is not ignored; a test suite
+        # started in the background by a non-interactive shell inherits SIGINT ignored, which
+        # would make this command ignore it too until something installs a handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 20.0
