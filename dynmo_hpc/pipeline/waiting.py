@@ -7,10 +7,9 @@ ends late (the input is noticed up to half the last sleep after it arrived), and
 sleeps lets its core go idle, so the next layer it runs starts on a core that may have halted
 and whose caches other work may have used. When every rank on the host has a core of its own
 there is no neighbour to steal from: the pipeline's waits then call ``sched_yield`` for their
-first :data:`WAIT_YIELD_S`, and only a wait longer than that sleeps. On the 2-core development
-machine this made a 2-stage job about 6 % faster by the median of 4 interleaved pairs, on a
-static split and on a balanced one alike, and the static split, whose light stage waits the
-most, was not slowed by its yielding (docs/benchmarks.md, "Pipeline wait mode").
+first :data:`WAIT_YIELD_S`, and only a wait longer than that sleeps. What that does to step
+times, on a static split (whose light stage waits the most) and a balanced one, is measured in
+docs/benchmarks.md, "Pipeline wait mode".
 
 ``runtime.wait_mode``: ``auto`` (yield when each rank has a core of its own), ``yield``, ``sleep``.
 The simulator models the same rule (:func:`dynmo_hpc.sim.wakeup.noticed_s`: a wait no longer

@@ -218,10 +218,10 @@ def median_row(rows: Sequence[HeldOutRow]) -> HeldOutRow:
     """One pair's row over repeats of both runs: each measured and predicted step the median
     of its repeats (repeat ``r`` of the target predicted from repeat ``r`` of the source).
 
-    Why: a short run's median step on the shared 2-core machine moves 15-30 % between runs
-    made minutes apart, more than the 10 % the table checks; the median of a few repeats of
-    each run is what the pair compares. Raises ValueError for no rows or rows of different
-    pairs."""
+    Why: a short run's median step on a shared machine moves between runs made minutes apart
+    by more than the 10 % the held-out table checks (docs/simulate.md, "Held-out
+    validation"); the median of a few repeats of each run is what the pair compares. Raises
+    ValueError for no rows or rows of different pairs."""
     if not rows:
         raise ValueError("median_row needs at least one row")
     first = rows[0]
