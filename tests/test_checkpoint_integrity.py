@@ -23,7 +23,7 @@ from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.rundir import claim_run_dir
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import ROOT, TINY, tiny_config
+from tests.helpers.jobs import ROOT, TINY, read_result, tiny_config
 
 NUM_STEPS = 6
 RUN_OVERRIDES = [
@@ -146,8 +146,8 @@ def test_resume_falls_back_and_matches_the_uninterrupted_run(runs, stopped):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "warning: skipping checkpoint" in out.stderr and "CRC-32" in out.stderr
     assert "resuming from" in out.stdout and "step_4" in out.stdout
-    want = json.loads((runs["reference"] / "result.json").read_text())["losses"]
-    got = json.loads((stopped / "result.json").read_text())["losses"]
+    want = read_result(runs["reference"])["losses"]
+    got = read_result(stopped)["losses"]
     assert got == want
     run = load(stopped / "run.h5")
     skipped = run.events[run.events["kind"] == "checkpoint_skipped"]

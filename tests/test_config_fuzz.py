@@ -11,7 +11,6 @@ deterministic order, that still validate on a tiny model) then train for 2 steps
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing
 from pathlib import Path
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.config import ConfigError, JobConfig
 from dynmo_hpc.launch.local import launch_local
+from tests.helpers.jobs import read_result
 
 NUM_EXAMPLES = 1000
 NUM_TRAINED = 3
@@ -263,5 +263,5 @@ def test_a_sample_of_valid_fuzzed_jobs_trains(
     for cfg in sample:
         rc, run_dir = launch_local(cfg, timeout_s=120.0)
         assert rc == 0, f"{cfg.to_yaml()}\nfailed with exit code {rc}"
-        result = json.loads((run_dir / "result.json").read_text())
+        result = read_result(run_dir)
         assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])

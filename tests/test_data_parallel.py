@@ -26,7 +26,7 @@ from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
-from tests.helpers.jobs import assert_losses_close, tiny_config
+from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
 from tests.helpers.scheme_jobs import scheme_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -104,10 +104,6 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _result(cfg: config_mod.JobConfig) -> dict:
-    return json.loads((cfg.run_dir / "result.json").read_text())
-
-
 def _final_layers(cfg, step):
     directory = cfg.run_dir / "checkpoint" / f"step_{step}"
     assert checkpoint.verify(directory) is None
@@ -121,7 +117,7 @@ def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(out_dir):
     backward (the run log's overlap event says so), and the bits do not change."""
     single, static, moving = bitwise_configs(out_dir)
     reference = train_reference(static)
-    got_single, got_static, got_moving = _result(single), _result(static), _result(moving)
+    got_single, got_static, got_moving = (read_result(c.run_dir) for c in (single, static, moving))
     assert got_static["losses"] == reference.losses  # bitwise
     assert got_static["losses"] == got_single["losses"]
     assert got_moving["losses"] == got_static["losses"]
@@ -167,7 +163,7 @@ def test_resume_onto_other_replica_and_stage_counts(out_dir, tmp_path):
     """Checkpoint at R=2 x P=2, resume onto R=1 x P=3 and R=2 x P=1: the same losses as the
     uninterrupted run within the reassociation bound (R=2 x P=1 sums like R=2 x P=2: bitwise)."""
     first = resume_first_config(out_dir)
-    whole = _result(first)
+    whole = read_result(first.run_dir)
     reference = train_reference(first)
     assert_losses_close(whole["losses"], reference.losses, rel=REASSOCIATION_REL)
     step_2 = first.run_dir / "checkpoint" / "step_2"
@@ -185,7 +181,7 @@ def test_resume_onto_other_replica_and_stage_counts(out_dir, tmp_path):
         )
         rc, run_dir = launch_local(cfg, timeout_s=180, resume_from=out / "dp/checkpoint/step_2")
         assert rc == 0
-        resumed = json.loads((run_dir / "result.json").read_text())["losses"]
+        resumed = read_result(run_dir)["losses"]
         assert resumed[:2] == whole["losses"][:2]  # the history the checkpoint carried
         assert_losses_close(resumed, whole["losses"], rel=REASSOCIATION_REL)
         assert_losses_close(resumed, reference.losses, rel=REASSOCIATION_REL)
@@ -198,7 +194,7 @@ def test_a_scheme_with_replicas_is_bitwise_the_reference(out_dir):
     microbatches): the losses are the reference's bit for bit, and the replicas' layers agree
     at the final checkpoint (checked there)."""
     cfg = moe_config(out_dir)
-    assert _result(cfg)["losses"] == train_reference(cfg).losses
+    assert read_result(cfg.run_dir)["losses"] == train_reference(cfg).losses
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from dynmo_hpc.handoff import rank_status
 from dynmo_hpc.handoff.failures import FAILURE_PENDING
 from dynmo_hpc.launch.local import run_local
 from dynmo_hpc.runlog.reader import load
-from tests.helpers.jobs import ROOT, TINY, tiny_config
+from tests.helpers.jobs import ROOT, TINY, read_result, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     cfg = _cfg(tmp_path_factory.mktemp("ref"), "ref")
     outcome = run_local(cfg, timeout_s=180)
     assert outcome.exit_code == 0 and not outcome.failures
-    losses: list[float] = json.loads((cfg.run_dir / "result.json").read_text())["losses"]
+    losses: list[float] = read_result(cfg.run_dir)["losses"]
     assert len(losses) == STEPS
     return losses
 
@@ -90,7 +90,7 @@ def test_a_fault_mid_phase_restarts_from_the_last_checkpoint(
     assert outcome.exit_code == 0, outcome
     assert outcome.restarts == 1 and len(outcome.failures) == 1
     failure = outcome.failures[0]
-    result = json.loads((cfg.run_dir / "result.json").read_text())
+    result = read_result(cfg.run_dir)
     assert result["losses"] == reference, "losses differ from the uninterrupted run's"
 
     if action == "signal":
@@ -187,7 +187,7 @@ def test_sigkill_of_a_rank_at_a_random_step_recovers(tmp_path: Path, reference: 
     assert peer_end_s < 10, f"rank 0 still ran {peer_end_s:.1f} s after rank 1 died"
     assert "recovered: rank 1" in out and "killed by SIGKILL" in out, out
     assert "Traceback" not in err
-    result = json.loads((run_dir / "result.json").read_text())
+    result = read_result(run_dir)
     assert result["losses"] == reference
     log = load(run_dir / "run.h5")
     (event,) = [r["detail"] for _, r in log.events.iterrows() if r["kind"] == "failure"]
@@ -255,7 +255,7 @@ def test_interrupting_dynmo_hpc_run_stops_every_rank_cleanly(tmp_path: Path, sig
     assert f"interrupted ({signal.Signals(signum).name})" in err
     assert not any(_alive(p) for p in ranks), "a rank outlived the CLI"
     assert not _processes_of(run_dir), "processes of the run are left"
-    result = json.loads((run_dir / "result.json").read_text())
+    result = read_result(run_dir)
     assert 3 <= result["completed_steps"] < 400
     latest = (run_dir / "checkpoint" / "latest").read_text().strip()
     assert latest == f"step_{result['completed_steps']}"

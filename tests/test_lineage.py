@@ -22,7 +22,7 @@ from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import newest_checkpoint
 from dynmo_hpc.pipeline import checkpoint, lineage, resume
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import tiny_config
+from tests.helpers.jobs import read_result, tiny_config
 
 NUM_LAYERS = 3
 
@@ -217,7 +217,7 @@ def test_a_crash_after_a_resume_from_an_older_checkpoint_restarts_on_its_own_bra
     root = checkpoint.checkpoint_root(run_dir)
     assert rc == 0 and _names(root) == ["step_4", "step_6"]
     old_branch = _record(root / "step_6").get("branch")
-    want = json.loads((run_dir / "result.json").read_text())["losses"]
+    want = read_result(run_dir)["losses"]
 
     # the same job resumed from step_4, checkpointing every step; rank 1 is killed in step 5,
     # after step_5 was written; the supervisor restarts the job by itself
@@ -236,7 +236,7 @@ def test_a_crash_after_a_resume_from_an_older_checkpoint_restarts_on_its_own_bra
     assert run.restarts["checkpoint_step"].tolist() == [4, 5], "the restart left its lineage"
     failures = run.events[run.events["kind"] == "failure"]["detail"].tolist()
     assert [f["from"] for f in failures] == [str(root / "step_5")]
-    assert json.loads((run_dir / "result.json").read_text())["losses"] == want
+    assert read_result(run_dir)["losses"] == want
     assert run.steps["step"].tolist() == list(range(6))
 
     # the new branch: step_5 descends from step_4 of the old one, step_6 from step_5

@@ -23,7 +23,7 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
-from tests.helpers.jobs import tiny_config
+from tests.helpers.jobs import read_result, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -78,15 +78,11 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _result(cfg: config_mod.JobConfig) -> dict:
-    return json.loads((cfg.run_dir / "result.json").read_text())
-
-
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_forced_migration_is_bitwise_invisible(out_dir, num_stages):
     static_cfg, moving_cfg = migration_configs(out_dir, num_stages)
-    static = _result(static_cfg)
-    moving = _result(moving_cfg)
+    static = read_result(static_cfg.run_dir)
+    moving = read_result(moving_cfg.run_dir)
     assert moving["losses"] == static["losses"]  # bitwise
 
     log = load(moving_cfg.run_dir / "run.h5")
@@ -133,7 +129,7 @@ def test_one_stage_trains_with_a_balancer(out_dir, algorithm):
     """One stage has no link to measure (bandwidth inf) and nothing to move: the job trains,
     reports, never migrates, and its checkpoint's run state is strict JSON."""
     cfg = one_stage_config(out_dir, algorithm)
-    result = _result(cfg)
+    result = read_result(cfg.run_dir)
     assert result["completed_steps"] == 3 and len(result["losses"]) == 3
     assert result["parts"] == [0, cfg.model.num_layers]
     log = load(cfg.run_dir / "run.h5")

@@ -13,7 +13,6 @@ second half (its process group spans that half).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
 from dynmo_hpc.pipeline.reference import train_reference
 from tests.helpers import rank_program
-from tests.helpers.jobs import assert_losses_close, tiny_config
+from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -92,7 +91,7 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _losses(cfg: config_mod.JobConfig) -> list[float]:
-    losses: list[float] = json.loads((cfg.run_dir / "result.json").read_text())["losses"]
+    losses: list[float] = read_result(cfg.run_dir)["losses"]
     return losses
 
 

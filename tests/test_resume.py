@@ -15,7 +15,6 @@ The seven uninterrupted reference runs train in one ``mpiexec`` launch
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
+from tests.helpers.jobs import read_result
 from tests.helpers.scheme_jobs import scheme_config
 
 NUM_STEPS = 8
@@ -133,7 +133,7 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(references, tm
     first, second, third = CASES[case]["stages"]
     reference = reference_config(references, case)
     assert reference.pipeline.num_stages == second
-    want = json.loads((reference.run_dir / "result.json").read_text())
+    want = read_result(reference.run_dir)
 
     # Launch 1: SIGTERM during step 1 -> stops after step 2 with a checkpoint, exits 0.
     stopped = _config(
@@ -166,7 +166,7 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(references, tm
     # Launch 3: resumed from step_3 on a third stage count, to the end.
     finish = _config(tmp_path, case, "chain", f"pipeline.num_stages={third}")
     assert _launch(finish, resume=True) == 0
-    got = json.loads((finish.run_dir / "result.json").read_text())
+    got = read_result(finish.run_dir)
 
     assert got["losses"] == want["losses"], "per-step losses differ from the uninterrupted run"
     num_layers = reference.model.num_layers
@@ -236,7 +236,7 @@ def test_resume_rules_keep_history_and_apply_allowed_changes(tmp_path):
     assert resolve_resume(changed, "", allowed) == step_4
     assert launch_local(changed, timeout_s=240, resume_from=step_4)[0] == 0
 
-    result = json.loads((cfg.run_dir / "result.json").read_text())
+    result = read_result(cfg.run_dir)
     assert result["completed_steps"] == 6 and len(result["losses"]) == 6
     for index in range(cfg.model.num_layers):
         groups = checkpoint.load_layer(root / "step_6", index)["optimizer"]["param_groups"]

@@ -13,7 +13,6 @@ on all four ranks, the 2-stage runs on the two halves of the world at once.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
-from tests.helpers.jobs import assert_losses_close
+from tests.helpers.jobs import assert_losses_close, read_result
 from tests.helpers.scheme_jobs import scheme_acted, scheme_config, scheme_events
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -60,7 +59,7 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_scheme_losses_match_single_process(out_dir, scheme, num_stages):
     cfg = case_config(out_dir, scheme, num_stages)
     reference = train_reference(cfg)
-    result = json.loads((cfg.run_dir / "result.json").read_text())
+    result = read_result(cfg.run_dir)
     assert_losses_close(result["losses"], reference.losses, rel=1e-5)
     events = scheme_events(load(cfg.run_dir / "run.h5").events)
     assert scheme_acted(scheme, events), f"{scheme} did not act in the parity run: {events}"

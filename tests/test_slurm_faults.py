@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from dynmo_hpc import runlog
 from dynmo_hpc.handoff import rank_status
 from dynmo_hpc.launch.local import run_local
 from dynmo_hpc.slurm.submit import submit, wait_for_job
-from tests.helpers.jobs import tiny_config
+from tests.helpers.jobs import read_result, tiny_config
 from tests.helpers.slurm_cluster import SlurmCluster
 from tests.test_slurm_jobs import as_args, cluster_environ, tiny, unique  # noqa: F401 (fixture)
 
@@ -59,7 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         "job.name=ref",
     )
     assert run_local(cfg, timeout_s=240).exit_code == 0
-    losses: list[float] = json.loads((cfg.run_dir / "result.json").read_text())["losses"]
+    losses: list[float] = read_result(cfg.run_dir)["losses"]
     return losses
 
 
@@ -88,7 +87,7 @@ def _check_requeued_run(
     (preempt,) = run.events[run.events["kind"] == "preempt"]["detail"].tolist()
     assert preempt["signal"] == 12 and 5 <= preempt["completed_steps"] < STEPS, preempt
     assert run.steps["loss"].tolist() == reference, context
-    result = json.loads((run_dir / "result.json").read_text())
+    result = read_result(run_dir)
     assert result["completed_steps"] == STEPS and result["losses"] == reference
     requeues = cluster.run(["sacct", "-n", "-X", "-D", "-P", "-j", str(job_id), "-o", "State"])
     assert "REQUEUED" in requeues.stdout or "PREEMPTED" in requeues.stdout, requeues.stdout

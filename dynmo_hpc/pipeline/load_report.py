@@ -89,11 +89,11 @@ class LoadReporter:
         self.pack_target: dict[str, Any] | None = None
         """Set on every rank when rank 0 decided to pack: the stage count and partition."""
         self.pipeline_step_s: deque[float] = deque(maxlen=cfg.balance.interval)
-        self.allreduce_s: deque[float] = deque(maxlen=cfg.balance.interval)
-        """Rank 0: each recent step's gradient all-reduce (its slowest rank's), for packing."""
         """Rank 0, the last ``balance.interval`` steps: seconds of schedule, clipping, optimizer
         and gather without the load report or migration: the steady pace the packer's model
         predicts (a migration is a one-off, and its time is in the logged step time)."""
+        self.allreduce_s: deque[float] = deque(maxlen=cfg.balance.interval)
+        """Rank 0: each recent step's gradient all-reduce (its slowest rank's), for packing."""
         self.ab: ABSwitch | None = None
         """Rank 0 of an A/B run (``balance.ab_period_steps``): which partition each block runs."""
         if cfg.balance.ab_period_steps:

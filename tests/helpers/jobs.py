@@ -45,6 +45,11 @@ def run_job(cfg: config_mod.JobConfig, timeout_s: float = 180.0) -> dict[str, An
     """Launch ``cfg`` on ``pipeline.num_stages`` local ranks; returns rank 0's result.json."""
     rc, run_dir = launch_local(cfg, timeout_s=timeout_s)
     assert rc == 0, f"job {cfg.job.name} failed with exit code {rc}"
+    return read_result(run_dir)
+
+
+def read_result(run_dir: Path) -> dict[str, Any]:
+    """Rank 0's ``result.json`` of the run in ``run_dir`` (losses, tokens/s, partitions)."""
     return json.loads((run_dir / "result.json").read_text())
 
 
