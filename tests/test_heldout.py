@@ -494,3 +494,48 @@ def test_median_row_takes_each_figure_over_the_repeats() -> None:
         median_row([rows[0], replace(rows[1], target="z")])
     with pytest.raises(ValueError, match="at least one"):
         median_row([])
+
+
+def test_a_repeat_predicting_another_packing_decision_is_a_miss_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """heldout_sim's pair row over 3 repeats where one repeat's replay packs differently from
+    its target: the row is the median of the other two, says how many were left out, and is
+    not within tolerance however close its medians; if every repeat's does, the run stops with
+    the mismatch (no table row can stand for the pair)."""
+    from dynmo_hpc.sim.heldout import PackingMismatch
+
+    script: object = _heldout_script()
+    settings = target_settings(
+        {
+            "pipeline": {"num_stages": 2, "schedule": "1f1b"},
+            "train": {"num_microbatches": 4, "steps": 20},
+            "balance": {"algorithm": "optimal", "interval": 5, "margin": 0.1, "smoothing": 0.5},
+        }
+    )
+
+    def fake_predict(source: str, target: str, _machine: object, names: tuple[str, str]):
+        if target.endswith("_r1"):
+            raise PackingMismatch(f"{target} packed to 2 stages, the prediction to 4")
+        return HeldOutRow(
+            source=names[0],
+            target=names[1],
+            target_settings=settings,
+            measured_source_s=1.0,
+            measured_target_s=0.5,
+            predicted_source_s=1.0,
+            predicted_target_s=0.5,
+        )
+
+    monkeypatch.setattr(script, "predict_pair", fake_predict)
+    logs = {n: n for n in ("x", "x_r1", "x_r2", "y", "y_r1", "y_r2")}
+    row = script.pair_row(logs, None, "x", "y", 3)  # type: ignore[attr-defined]
+    assert (row.source, row.target, row.mispredicted_repeats) == ("x", "y", 1)
+    assert row.step_error == 0.0 and row.speedup_error == 0.0
+    assert not row.within(0.10) and replace(row, mispredicted_repeats=0).within(0.10)
+    assert not replace(row, predicted_target_s=0.6).within(0.10)  # +20 % on the step
+    monkeypatch.setattr(
+        script, "predict_pair", lambda *a: (_ for _ in ()).throw(PackingMismatch("never packed"))
+    )
+    with pytest.raises(SystemExit, match="x -> y: no repeat's prediction packed"):
+        script.pair_row(logs, None, "x", "y", 3)  # type: ignore[attr-defined]

@@ -165,6 +165,11 @@ def measured_step_s(run: RunLog) -> float:
     return float(statistics.median(float(x) for x in run.steps["step_time_s"]))
 
 
+class PackingMismatch(ValueError):
+    """A packing target whose replay packed to another stage count (or not at all): the
+    prediction got the decision wrong, so there is no after-pack step to compare."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class HeldOutRow:
     """One (source, target) pair: predicted against measured, step time and speedup."""
@@ -177,6 +182,9 @@ class HeldOutRow:
     predicted_source_s: float
     """The source's own settings replayed from its own CPU costs (no wall times)."""
     predicted_target_s: float
+    mispredicted_repeats: int = 0
+    """Repeats of the pair whose prediction packed to another stage count than the target
+    (:class:`PackingMismatch`): left out of the medians, and the pair counts as a miss."""
 
     @property
     def step_error(self) -> float:
@@ -211,7 +219,17 @@ class HeldOutRow:
             "measured_speedup": self.measured_speedup,
             "predicted_speedup": self.predicted_speedup,
             "speedup_error": self.speedup_error,
+            "mispredicted_repeats": self.mispredicted_repeats,
         }
+
+    def within(self, tolerance: float) -> bool:
+        """Step time and speedup both within ``tolerance`` (0.1: 10 %), every repeat's
+        packing decision predicted."""
+        return (
+            self.mispredicted_repeats == 0
+            and abs(self.step_error) <= tolerance
+            and abs(self.speedup_error) <= tolerance
+        )
 
 
 def median_row(rows: Sequence[HeldOutRow]) -> HeldOutRow:
@@ -258,7 +276,7 @@ def _predicted_after_pack_s(result: ReplayResult, target: RunLog, name: str) -> 
     target packed to (its last load report's partition)."""
     packed_to = len(target.parts_at(target.report_steps()[-1])) - 1
     if not result.pack_steps or len(result.final_parts) - 1 != packed_to:
-        raise ValueError(
+        raise PackingMismatch(
             f"{name} packed to {packed_to} stages, the prediction to "
             f"{len(result.final_parts) - 1}; HINT: the source's layer costs do not lead to "
             "the target's packing decision (compare their load reports)"
