@@ -164,11 +164,18 @@ def repeat_names(name: str, repeats: int) -> list[str]:
 
 def repeated(runs: tuple[ShortRun, ...], repeats: int) -> tuple[ShortRun, ...]:
     """Every run ``repeats`` times, under :func:`repeat_names` (repeat 0 keeps its name, so
-    the runs of an earlier single invocation count as repeat 0)."""
+    the runs of an earlier single invocation count as repeat 0), in rounds: repeat 0 of every
+    run, then repeat 1 of every run, and so on.
+
+    Why rounds: the layers' CPU seconds on a shared machine drift in spells of minutes, and a
+    prediction replays its source's costs as measured. Made back to back, a source's repeats
+    all fall in one spell and bias every repeat of its pairs alike; in rounds, a pair's source
+    and target of one repeat run minutes apart at most, and a spell falls on one repeat of a
+    pair, which the median over repeats sets aside."""
     return tuple(
-        dataclasses.replace(run, name=name)
+        dataclasses.replace(run, name=repeat_names(run.name, repeats)[r])
+        for r in range(repeats)
         for run in runs
-        for name in repeat_names(run.name, repeats)
     )
 
 

@@ -539,3 +539,13 @@ def test_a_repeat_predicting_another_packing_decision_is_a_miss_not_a_crash(
     )
     with pytest.raises(SystemExit, match="x -> y: no repeat's prediction packed"):
         script.pair_row(logs, None, "x", "y", 3)  # type: ignore[attr-defined]
+
+
+def test_heldout_script_makes_its_repeats_in_rounds() -> None:
+    """Repeat 0 of every run, then repeat 1 of every run: a pair's source and target of one
+    repeat run close together, and a slow spell of the machine falls on one repeat."""
+    script: object = _heldout_script()
+    runs = script.HELD_OUT[:3]  # type: ignore[attr-defined]
+    order = [r.name for r in script.repeated(runs, 2)]  # type: ignore[attr-defined]
+    assert order == [*(r.name for r in runs), *(f"{r.name}_r1" for r in runs)]
+    assert [r.name for r in script.repeated(runs, 1)] == [r.name for r in runs]  # type: ignore[attr-defined]
