@@ -37,8 +37,10 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +58,7 @@ from dynmo_hpc.runlog import RunLog, load  # noqa: E402
 from dynmo_hpc.sim.heldout import (  # noqa: E402
     HeldOutRow,
     PackingMismatch,
+    after_pack_s,
     external_ratio,
     fit_machine,
     measured_step_s,
@@ -186,7 +189,7 @@ def pair_row(
     medians over repeats (:func:`dynmo_hpc.sim.heldout.median_row`). A repeat whose
     prediction packed differently from its target (:class:`PackingMismatch`) is left out of
     the medians and counted in the row, which then counts as a miss; if every repeat's did,
-    the table cannot have the row and the run stops with that error."""
+    the row has the measured steps only (predictions NaN), and says so."""
     rows, mismatches = [], []
     for x, y in zip(repeat_names(source, repeats), repeat_names(target, repeats), strict=True):
         try:
@@ -194,10 +197,12 @@ def pair_row(
         except PackingMismatch as exc:
             mismatches.append(str(exc))
     if not rows:
-        raise SystemExit(
+        print(
             f"{source} -> {target}: no repeat's prediction packed as its target did: "
-            + "; ".join(mismatches)
+            + mismatches[0],
+            file=sys.stderr,
         )
+        return _unpredicted_row(logs, source, target, repeats)
     row = median_row([dataclasses.replace(r, source=source, target=target) for r in rows])
     return dataclasses.replace(row, mispredicted_repeats=len(mismatches))
 
@@ -262,6 +267,26 @@ LOADED = 1.10
 processes on the machine: its pair is reported, and flagged."""
 
 
+def _unpredicted_row(logs: dict[str, RunLog], source: str, target: str, repeats: int) -> HeldOutRow:
+    """A pair none of whose repeats' predictions packed as the target did: its measured steps
+    (the target's after its pack), medians over repeats, and NaN predictions."""
+
+    def measured(name: str) -> float:
+        packed = after_pack_s(logs[name])
+        return packed[1] if packed is not None else measured_step_s(logs[name])
+
+    return HeldOutRow(
+        source=source,
+        target=target,
+        target_settings=target_settings(logs[target].config, target),
+        measured_source_s=statistics.median(measured(n) for n in repeat_names(source, repeats)),
+        measured_target_s=statistics.median(measured(n) for n in repeat_names(target, repeats)),
+        predicted_source_s=math.nan,
+        predicted_target_s=math.nan,
+        mispredicted_repeats=repeats,
+    )
+
+
 TOLERANCE = 0.10
 """The held-out target: step time and speedup within 10 %."""
 
@@ -301,8 +326,9 @@ def markdown(
             f"| {r.measured_speedup:.3f} | {r.predicted_speedup:.3f} | {r.speedup_error:+.1%} "
             f"| {load_of[r.source]:.2f} / {load_of[r.target]:.2f} |"
         )
-    worst_step = max(abs(r.step_error) for r in rows)
-    worst_speedup = max(abs(r.speedup_error) for r in rows)
+    predicted = [r for r in rows if math.isfinite(r.predicted_target_s)]
+    worst_step = max((abs(r.step_error) for r in predicted), default=math.nan)
+    worst_speedup = max((abs(r.speedup_error) for r in predicted), default=math.nan)
     loaded = sorted(name for name, k in load_of.items() if k > LOADED)
     lines += [
         "",
@@ -320,7 +346,7 @@ def markdown(
         f"{TOLERANCE:.0%} on both the step time and the speedup** (a pair with a repeat whose "
         "prediction packed to another stage count than its target counts as a miss). "
         f"Worst step-time error {worst_step:.1%}, worst speedup error {worst_speedup:.1%} over "
-        f"{len(rows)} held-out pairs.",
+        f"the {len(predicted)} held-out pairs with a prediction.",
         "",
         f"Hidden case (`{hidden['command']}`): measured {hidden['measured_step_s']:.4f} s, "
         f"predicted {hidden['predicted_step_s']:.4f} s, {hidden['ratio']:.3f}x."
