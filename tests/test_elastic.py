@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dynmo_hpc.balance.restart import estimated_restart_s
 from dynmo_hpc.handoff import resize
 from dynmo_hpc.handoff.failures import take_pending_failures
 from dynmo_hpc.handoff.oom import OUT_OF_MEMORY, is_out_of_memory, record_out_of_memory
@@ -237,6 +238,16 @@ def test_a_job_packs_on_its_own_measurements(tmp_path):
     assert pack["predicted_tokens_per_s_rebalanced"] >= pack["predicted_tokens_per_s_before"]
     assert pack["reference_tokens_per_s"] >= pack["predicted_tokens_per_s_rebalanced"]
     assert pack["predicted_tokens_per_s_after"] >= 0.9 * pack["reference_tokens_per_s"]
+    # The simulator's restart estimate, from what the log holds, is the decision's overhead.
+    launches = events[events["kind"] == "launch"]["detail"].tolist()
+    assert launches, "the first launch logged no start-up"
+    startup_s = float(launches[0]["startup_s"])
+    earlier = events[(events["kind"] == "checkpoint") & (events["step"] < step)]["detail"]
+    last_checkpoint_s = float(earlier.tolist()[-1]["seconds"]) if len(earlier) else None
+    costs = run.layer_costs[run.layer_costs["step"] == step]
+    state_bytes = float((costs["param_bytes"] + costs["grad_bytes"] + costs["optim_bytes"]).sum())
+    estimate_s = estimated_restart_s(startup_s, last_checkpoint_s, state_bytes)
+    assert pack["overhead_node_s"] == pytest.approx(estimate_s * pack["from_nodes"], rel=1e-6)
     same_report = events[(events["step"] == step) & (events["kind"] == "rebalance")]
     assert same_report.empty, "a rebalance was logged at the pack's report"
     assert any(k == "pack_result" for k in events["kind"])

@@ -4,9 +4,11 @@ history, with the resize charged to the report step that decides it."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
+from dynmo_hpc.balance.restart import ASSUMED_CHECKPOINT_BYTES_PER_S, estimated_restart_s
 from dynmo_hpc.cli import main
 from dynmo_hpc.sim.replay import CostReport, PackingSetup, ReplaySetup, replay
 from dynmo_hpc.sim.runlog_traces import packing_setup
@@ -87,10 +89,18 @@ def test_cli_packing_and_restart_overhead(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_restart_overhead_comes_from_the_run() -> None:
-    """The job's setting first; null: the run's measured resizes (median); none: 10 s."""
-    assert packing_setup({"restart_overhead_s": 3.0}, [5.7]).restart_overhead_s == 3.0
-    assert packing_setup({"restart_overhead_s": None}, [5.7, 9.0, 6.1]).restart_overhead_s == 6.1
-    assert packing_setup({"restart_overhead_s": None}, []).restart_overhead_s == 10.0
-    setup = packing_setup({"interval": 3, "policy": "node_hours", "min_stages": 2}, [])
+    """The job's setting first; null: the run's measurement; none: 10 s."""
+    assert packing_setup({"restart_overhead_s": 3.0}, 5.7).restart_overhead_s == 3.0
+    assert packing_setup({"restart_overhead_s": None}, 6.1).restart_overhead_s == 6.1
+    assert packing_setup({"restart_overhead_s": None}, None).restart_overhead_s == 10.0
+    setup = packing_setup({"interval": 3, "policy": "node_hours", "min_stages": 2}, None)
     assert (setup.interval, setup.pack_policy, setup.min_stages) == (3, "node_hours", 2)
-    assert packing_setup(None, [4.0]) == PackingSetup(restart_overhead_s=4.0)
+    assert packing_setup(None, 4.0) == PackingSetup(restart_overhead_s=4.0)
+
+
+def test_the_restart_estimate_is_the_trainers_rule() -> None:
+    """Start-up plus a checkpoint write and read; before any checkpoint, the state's bytes at
+    the assumed disk speed; an unknown start-up counts nothing."""
+    assert estimated_restart_s(4.0, 0.5, 1e12) == 5.0
+    assert estimated_restart_s(4.0, None, ASSUMED_CHECKPOINT_BYTES_PER_S) == 6.0
+    assert estimated_restart_s(math.nan, None, 0.0) == 0.0

@@ -18,14 +18,11 @@ from typing import Any
 import torch
 
 from dynmo_hpc.balance.packing import PackPlan, PackRequest, microbatches_in_flight, plan_pack
+from dynmo_hpc.balance.restart import estimated_restart_s
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline import capacity
 from dynmo_hpc.pipeline.costs import LoadReport
 from dynmo_hpc.placement import ranks_per_node
-
-ASSUMED_CHECKPOINT_BYTES_PER_S = 1e8
-"""Write (and read) speed assumed for a checkpoint before one was measured: about what the
-development machine's shared disk gave (docs/benchmarks.md#checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -123,12 +120,7 @@ def restart_overhead_s(
         return float(cfg.elastic.restart_overhead_s)
     if last_resize_s is not None:
         return last_resize_s
-    checkpoint_s = (
-        last_checkpoint_s
-        if last_checkpoint_s is not None
-        else state_bytes / ASSUMED_CHECKPOINT_BYTES_PER_S
-    )
-    return max(0.0, startup_s) + 2.0 * checkpoint_s
+    return estimated_restart_s(startup_s, last_checkpoint_s, state_bytes)
 
 
 @dataclass

@@ -82,6 +82,10 @@ class Rank0Log:
         launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             packer.startup_s = time.time() - launched_unix_s
+            # The simulator estimates a resize's pause from it, as the packing decision does.
+            self.writer.log_event(
+                step=start_step - 1, kind="launch", detail={"startup_s": packer.startup_s}
+            )
         if resume_from is not None:
             self._log_resize(restore_s, start_step, packer)
 

@@ -20,7 +20,10 @@ A target run that packed (``elastic.enabled``: replayed as ``packing``) is compa
 first pack: the measured median over the steps after its ``resize`` event against the replay's
 median over the steps after the replay's own first pack (:func:`after_pack_s`); the two must
 land on the same stage count. The source is a run that never packs, so its layer costs are those
-of the stages it ran on, re-partitioned by the replay.
+of the stages it ran on, re-partitioned by the replay. Whether a pack pays depends on the restart
+overhead; where the target's config leaves it to be measured, the replay takes the trainer's
+estimate from the source's own start-up and state (:func:`~dynmo_hpc.sim.runlog_traces.
+measured_restart_s`): never from the target's logged decision.
 
 Y's measured wall times are read only by :func:`measured_step_s` and :func:`after_pack_s`, to be
 compared against.
@@ -78,11 +81,17 @@ class TargetSettings:
     smoothing: float
     packing: PackingSetup = field(default_factory=PackingSetup)
     """The target's ``elastic`` settings (``packing`` only; restart overhead: the config's, else
-    the default, never the target's measured resizes)."""
+    the source's measurement, else the default; never the target's measured resizes)."""
 
 
-def target_settings(config: dict[str, Any], name: str = "target") -> TargetSettings:
-    """A run's settings from its config (a run log's ``config``); ValueError names the run."""
+def target_settings(
+    config: dict[str, Any], name: str = "target", measured_restart_s: float | None = None
+) -> TargetSettings:
+    """A run's settings from its config (a run log's ``config``); ValueError names the run.
+
+    ``measured_restart_s``: the source's measurement of a resize's pause
+    (:attr:`RunTraces.measured_restart_s`), the packing decision's restart overhead when the
+    config leaves it to be measured."""
     pipeline, train, balance = config["pipeline"], config["train"], config["balance"]
     algorithm = replayed_algorithm(str(balance["algorithm"]))
     elastic = config.get("elastic")
@@ -102,7 +111,7 @@ def target_settings(config: dict[str, Any], name: str = "target") -> TargetSetti
         num_steps=int(train["steps"]),
         margin=float(balance["margin"]),
         smoothing=float(balance["smoothing"]),
-        packing=packing_setup(elastic, []),
+        packing=packing_setup(elastic, measured_restart_s),
     )
 
 
@@ -291,8 +300,8 @@ def predict_pair(
     measured step only for the comparison column."""
     check_same_job(source.config, target.config, names)
     traces = traces_from_runlog(source)
-    settings = target_settings(target.config, names[1])
-    own = target_settings(source.config, names[0])
+    settings = target_settings(target.config, names[1], traces.measured_restart_s)
+    own = target_settings(source.config, names[0], traces.measured_restart_s)
     predicted = predict(traces, settings, machine)
     packed = after_pack_s(target) if settings.algorithm == PACKING else None
     measured_target_s, predicted_target_s = measured_step_s(target), predicted.median_step_time_s
@@ -404,9 +413,10 @@ def fit_machine(
         notes={**(notes or {}), "fitted_on": [name for name, _ in runs]},
     )
     over = [
-        (traces_from_runlog(run), target_settings(run.config, name), measured_step_s(run))
+        (traces, target_settings(run.config, name, traces.measured_restart_s), measured_step_s(run))
         for name, run in runs
         if _oversubscribed(machine, run)
+        for traces in [traces_from_runlog(run)]
     ]
 
     def predicted_s_at(factor: float) -> list[float]:

@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from dynmo_hpc.balance.restart import estimated_restart_s
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.replay import CostReport, PackingSetup
@@ -39,6 +40,8 @@ class RunTraces:
     packing: PackingSetup
     """The run's ``elastic`` settings, for the simulator's ``packing`` (its default restart
     overhead where the run measured its own)."""
+    measured_restart_s: float | None
+    """What the run measured of a resize's pause (:func:`measured_restart_s`), or None."""
     step_wall_s_per_cpu_s: list[list[float] | None]
     """Per report, per step of its interval (in order): the step's wall seconds in layers
     (``stage_times.compute_s``, all stages) over the report's thread CPU seconds per step; None
@@ -126,7 +129,8 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
         smoothing=float(balance["smoothing"]),
         tokens_per_microbatch=micro_batch * seq_len,
         activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
-        packing=packing_setup(run.config.get("elastic"), _resize_totals_s(run)),
+        packing=packing_setup(run.config.get("elastic"), measured_restart_s(run, reports)),
+        measured_restart_s=measured_restart_s(run, reports),
         step_wall_s_per_cpu_s=measured_wall_s_per_cpu_s(run, steps),
     )
 
@@ -137,18 +141,56 @@ def _resize_totals_s(run: RunLog) -> list[float]:
     return [float(d["total_s"]) for d in rows["detail"] if isinstance(d, dict) and "total_s" in d]
 
 
-def packing_setup(elastic: Any, resize_totals_s: list[float]) -> PackingSetup:
+def _detail_values(run: RunLog, kind: str, key: str) -> list[float]:
+    """``key`` of every ``kind`` event's detail, in log order (events without it skipped)."""
+    rows = run.events[run.events["kind"] == kind]
+    return [float(d[key]) for d in rows["detail"] if isinstance(d, dict) and key in d]
+
+
+def measured_restart_s(run: RunLog, reports: list[CostReport]) -> float | None:
+    """A resize's pause as the run's own measurements put it, or None when they cannot.
+
+    The median of the run's resizes if it resized; else the trainer's estimate before its
+    first resize (:func:`dynmo_hpc.balance.restart.estimated_restart_s`) from the run's first
+    launch's start-up (its ``launch`` event) and its first load report's checkpoint time: the
+    seconds of a checkpoint written by then, else the report's state bytes at the assumed disk
+    speed. Why at the first report: that is what a packing run of the job knows at its first
+    packing decision, so a run that never packed predicts that decision with the same numbers.
+    None for a log without a ``launch`` event (written before the event existed, or by a
+    launcher that recorded no start time).
+    """
+    resizes_s = _resize_totals_s(run)
+    if resizes_s:
+        return float(statistics.median(resizes_s))
+    startups_s = _detail_values(run, "launch", "startup_s")
+    if not startups_s:
+        return None
+    first_report_step = int(run.layer_costs["step"].min()) if reports else -1
+    early = run.events[run.events["step"] <= first_report_step]
+    checkpoints_s = [
+        float(d["seconds"])
+        for d in early[early["kind"] == "checkpoint"]["detail"]
+        if isinstance(d, dict) and "seconds" in d
+    ]
+    state_bytes = float(sum(reports[0].layer_bytes)) if reports else 0.0
+    return estimated_restart_s(
+        startups_s[0], checkpoints_s[0] if checkpoints_s else None, state_bytes
+    )
+
+
+def packing_setup(elastic: Any, measured_restart_s: float | None) -> PackingSetup:
     """A run's ``elastic`` section as a :class:`PackingSetup` (defaults where absent).
 
     The restart overhead is the section's ``restart_overhead_s``; if that is null (measure
-    it), the median of the run's own measured resizes; if it never resized, the default.
+    it), ``measured_restart_s`` (:func:`measured_restart_s`: of this run, or of another run of
+    the same job predicting it); if that is None too, the default.
     """
     if not isinstance(elastic, dict):
         elastic = {}
     default = PackingSetup()
     overhead = elastic.get("restart_overhead_s")
-    if overhead is None and resize_totals_s:
-        overhead = statistics.median(resize_totals_s)
+    if overhead is None:
+        overhead = measured_restart_s
     return PackingSetup(
         interval=int(elastic.get("interval", default.interval)),
         pack_policy=str(elastic.get("policy", default.pack_policy)),
