@@ -36,6 +36,7 @@ from dynmo_hpc.sim.machine import (
     save_machine,
     shipped_machine_path,
 )
+from dynmo_hpc.sim.oversubscribed_cpu import fit_oversubscribed_cpu
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, time_sliced
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog
 
@@ -300,6 +301,14 @@ def test_fit_machine_fits_the_oversubscription_factor_on_its_own_runs_only(
     src, p3, other = (load(runs[name]) for name in ("src", "p3", "other"))
     fitted = fit_machine([("p3", p3), ("other", other)], base)
     assert fitted.oversubscribed_wall_s_per_cpu_s is not None
+    # No job ran at both 2 and 3 stages here: no CPU factor. With src and p3 (one job), one.
+    assert fitted.oversubscribed_cpu_s_per_cpu_s is None
+    both = fit_machine([("src", src), ("p3", p3)], base)
+    expected = fit_oversubscribed_cpu(
+        [(traces_from_runlog(src), "job"), (traces_from_runlog(p3), "job")], 2.0
+    )
+    assert expected is not None and both.oversubscribed_cpu_s_per_cpu_s == expected
+    assert machine_from_json(both.to_json()) == both
     assert fitted.oversubscribed_wall_s_per_cpu_s >= 1.0
     # The fit is the definition: p3 replayed from its own costs with the factor meets its
     # measured step (or the factor is 1: predicted at or above it already).

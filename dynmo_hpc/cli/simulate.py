@@ -227,14 +227,24 @@ class _Source:
     packing: PackingSetup
 
 
-def _from_run_log(args: argparse.Namespace, wall_per_cpu: float | str | None) -> _Source:
-    """``--from RUN``: its load reports and its own settings as the defaults."""
+def _from_run_log(
+    args: argparse.Namespace,
+    wall_per_cpu: float | str | None,
+    cores: float | None,
+    oversubscribed_cpu: float | None,
+) -> _Source:
+    """``--from RUN``: its load reports and its own settings as the defaults. With a fitted
+    machine (``oversubscribed_cpu``), reports measured on more stages than ``cores`` are
+    taken back to costs with a core per rank
+    (:func:`dynmo_hpc.sim.oversubscribed_cpu.alone_costs`)."""
     from dynmo_hpc.runlog import load
+    from dynmo_hpc.sim.oversubscribed_cpu import alone_costs
     from dynmo_hpc.sim.runlog_traces import traces_from_runlog
 
     path = args.run_log / "run.h5" if args.run_log.is_dir() else args.run_log
     traces = traces_from_runlog(load(path))
-    reports = _with_wall_per_cpu(traces.reports, wall_per_cpu, traces.step_wall_s_per_cpu_s)
+    alone = alone_costs(traces, cores, oversubscribed_cpu)
+    reports = _with_wall_per_cpu(alone, wall_per_cpu, traces.step_wall_s_per_cpu_s)
     interval = _pick(args.interval, traces.interval)
     defaults = {
         "stages": traces.num_stages,
@@ -290,7 +300,13 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
     wall_per_cpu = _pick(
         args.wall_per_cpu, _pick(machine.external_wall_s_per_cpu_s, machine.wall_s_per_cpu_s)
     )
-    source = (_from_run_log if args.run_log is not None else _from_costs)(args, wall_per_cpu)
+    cores = _pick(args.cores, machine.cores)
+    # The fitted factor only with the fitted external load: measured ratios contain it.
+    shared_cpu = machine.oversubscribed_cpu_s_per_cpu_s if external else None
+    if args.run_log is not None:
+        source = _from_run_log(args, wall_per_cpu, cores, shared_cpu)
+    else:
+        source = _from_costs(args, wall_per_cpu)
     packing = source.packing
     if args.restart_overhead_s is not None:
         packing = replace(packing, restart_overhead_s=args.restart_overhead_s)
@@ -311,12 +327,13 @@ def _inputs(args: argparse.Namespace) -> tuple[list[CostReport], ReplaySetup, in
         margin=value["margin"],
         smoothing=source.smoothing,
         overheads=machine.overheads,
-        cores=_pick(args.cores, machine.cores),
+        cores=cores,
         poll_max_s=_pick(machine.poll_max_s, 0.0),
         poll_yield_s=WAIT_YIELD_S if machine.poll_max_s else 0.0,
         packing=packing,
         ratios_are_external=external,
         oversubscribed_wall_s_per_cpu_s=_pick(machine.oversubscribed_wall_s_per_cpu_s, 1.0),
+        oversubscribed_cpu_s_per_cpu_s=_pick(shared_cpu, 1.0),
     )
     setup.check()
     return source.reports, setup, int(value["tokens_per_microbatch"])

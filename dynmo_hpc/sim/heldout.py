@@ -33,6 +33,7 @@ column and nothing in the prediction.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,7 @@ from dynmo_hpc.pipeline.waiting import WAIT_YIELD_S
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.calibration import decompose, fit_overheads, replayed_algorithm
 from dynmo_hpc.sim.machine import MachineModel
+from dynmo_hpc.sim.oversubscribed_cpu import alone_costs, fit_oversubscribed_cpu
 from dynmo_hpc.sim.replay import (
     PACKING,
     PackingSetup,
@@ -115,6 +117,15 @@ def target_settings(
     )
 
 
+def job_key(config: dict[str, Any]) -> str:
+    """What makes two runs' layer costs comparable (:data:`JOB_KEYS`, :data:`JOB_TRAIN_KEYS`),
+    as one string: runs with equal keys are the same job."""
+    train = config.get("train", {})
+    key = {k: config.get(k) for k in JOB_KEYS}
+    key["train"] = {k: train.get(k) for k in JOB_TRAIN_KEYS}
+    return json.dumps(key, sort_keys=True, default=str)
+
+
 def check_same_job(source: dict[str, Any], target: dict[str, Any], names: tuple[str, str]) -> None:
     """ValueError unless the two configs run the same layers with the same batch: a source's
     per-layer costs say nothing about another model."""
@@ -157,6 +168,7 @@ def replay_setup(
         packing=target.packing,
         ratios_are_external=machine.external_wall_s_per_cpu_s is not None,
         oversubscribed_wall_s_per_cpu_s=machine.oversubscribed_wall_s_per_cpu_s or 1.0,
+        oversubscribed_cpu_s_per_cpu_s=machine.oversubscribed_cpu_s_per_cpu_s or 1.0,
     )
 
 
@@ -164,7 +176,12 @@ def predict(traces: RunTraces, target: TargetSettings, machine: MachineModel) ->
     """``target``'s replay from the source's load reports (CPU seconds only: the source's wall
     times are not used), stretched by the machine's fitted external load."""
     k = machine.external_wall_s_per_cpu_s or machine.wall_s_per_cpu_s or 1.0
-    reports = [replace(r, wall_s_per_cpu_s=k, step_wall_s_per_cpu_s=[]) for r in traces.reports]
+    # The target side applies the factor only with the fitted external load (replay_setup).
+    external = machine.external_wall_s_per_cpu_s is not None
+    alone = alone_costs(
+        traces, machine.cores, machine.oversubscribed_cpu_s_per_cpu_s if external else None
+    )
+    reports = [replace(r, wall_s_per_cpu_s=k, step_wall_s_per_cpu_s=[]) for r in alone]
     setup = replay_setup(target, machine, traces.activation_bytes, traces)
     return replay(reports, setup, target.algorithm)
 
@@ -398,25 +415,34 @@ def fit_machine(
     and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.calibration.fit_overheads`),
     the median of their external load (:func:`external_ratio`), then, with those, the
     oversubscription factor of the runs with more stages than ``base.cores``
-    (:func:`fit_oversubscribed`; None when no run has)."""
+    (:func:`fit_oversubscribed`; None when no run has). The oversubscribed CPU factor
+    (:func:`~dynmo_hpc.sim.oversubscribed_cpu.fit_oversubscribed_cpu`) comes first, from the
+    runs of one job (:func:`job_key`) at both kinds of stage count, since the wall factor is
+    what is left of the oversubscribed steps after it."""
     if not runs:
         raise ValueError("fit_machine needs at least one calibration run")
     decomps = [decompose(run, name) for name, run in runs]
     overheads = fit_overheads(decomps, base.overheads.optimizer_s_per_param)
     external = statistics.median(external_ratio(run, base) for _, run in runs)
+    traces_of = {name: traces_from_runlog(run) for name, run in runs}
+    shared_cpu = None
+    if base.cores is not None:
+        keyed = [(traces_of[name], job_key(run.config)) for name, run in runs]
+        shared_cpu = fit_oversubscribed_cpu(keyed, base.cores)
     machine = replace(
         base,
         overheads=overheads,
         wall_s_per_cpu_s=None,
         external_wall_s_per_cpu_s=float(external),
         oversubscribed_wall_s_per_cpu_s=None,
+        oversubscribed_cpu_s_per_cpu_s=shared_cpu,
         notes={**(notes or {}), "fitted_on": [name for name, _ in runs]},
     )
     over = [
         (traces, target_settings(run.config, name, traces.measured_restart_s), measured_step_s(run))
         for name, run in runs
         if _oversubscribed(machine, run)
-        for traces in [traces_from_runlog(run)]
+        for traces in [traces_of[name]]
     ]
 
     def predicted_s_at(factor: float) -> list[float]:

@@ -153,12 +153,22 @@ class MachineModel:
     """Wall seconds per CPU second, on top of the simulated sharing of ``cores`` and of
     ``external_wall_s_per_cpu_s``, that a rank time-slicing a core with another rank costs:
     what time-slicing adds beyond each rank's share of the core (context switches, caches
-    refilled after each switch, a woken rank waiting for its busy core, the layers' CPU seconds
-    growing). Fitted on the calibration runs with more stages than ``cores``
-    (:func:`dynmo_hpc.sim.heldout.fit_oversubscribed`); in a step whose partition has more
-    stages than ``cores``, the replay multiplies every CPU second of the stages whose home core
-    holds another stage by it (:func:`dynmo_hpc.sim.replay.time_sliced`), and only with the
-    fitted external load (a run's own measured ratio already contains it). None: 1."""
+    refilled after each switch, a woken rank waiting for its busy core), beyond the layers' CPU
+    seconds growing (``oversubscribed_cpu_s_per_cpu_s``). Fitted on the calibration runs with
+    more stages than ``cores`` (:func:`dynmo_hpc.sim.heldout.fit_oversubscribed`); in a step
+    whose partition has more stages than ``cores``, the replay multiplies every CPU second of
+    the stages whose home core holds another stage by it
+    (:func:`dynmo_hpc.sim.replay.time_sliced`), and only with the fitted external load (a
+    run's own measured ratio already contains it). None: 1."""
+    oversubscribed_cpu_s_per_cpu_s: float | None = None
+    """How many times its CPU seconds with a core per rank a layer's thread CPU seconds are
+    when the ranks outnumber the cores (caches refilled after every switch): fitted on
+    calibration runs of one job at no more and at more stages than ``cores``
+    (:func:`dynmo_hpc.sim.oversubscribed_cpu.fit_oversubscribed_cpu`). A held-out prediction
+    divides it out of a source's reports measured so and multiplies it into the target's steps
+    on more stages than ``cores`` (:func:`dynmo_hpc.sim.oversubscribed_cpu.alone_costs`), so a
+    2-rank run predicts a 3-rank one on 2 cores, and a 4-rank run the 2 ranks it packs onto.
+    Only with the fitted external load. None: 1."""
     layer_rates: LayerRates | None = None
     """The per-layer cost model's rates (file keys ``layer_flops_per_s``, ``layer_bytes_per_s``,
     ``layer_overhead_s``, given together, and optionally ``layer_backward_flops_per_s``,
@@ -183,6 +193,7 @@ class MachineModel:
             "cores",
             "external_wall_s_per_cpu_s",
             "oversubscribed_wall_s_per_cpu_s",
+            "oversubscribed_cpu_s_per_cpu_s",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -239,6 +250,7 @@ _OPTIONAL_KEYS = (
     "poll_max_s",
     "external_wall_s_per_cpu_s",
     "oversubscribed_wall_s_per_cpu_s",
+    "oversubscribed_cpu_s_per_cpu_s",
 )
 
 

@@ -163,6 +163,11 @@ class ReplaySetup:
     another stage too (:func:`time_sliced`). A stage alone on its core, and every stage of a
     step on at most ``cores`` stages (after a pack, say), does not pay it. Ignored for measured
     ratios, which contain it. 1: none."""
+    oversubscribed_cpu_s_per_cpu_s: float = 1.0
+    """With ``ratios_are_external``: in a step whose partition has more stages than ``cores``,
+    how many times its CPU seconds with a core per rank every layer costs (a machine
+    calibration's ``oversubscribed_cpu_s_per_cpu_s``); the reports' costs must then be costs
+    with a core per rank (:func:`dynmo_hpc.sim.oversubscribed_cpu.alone_costs`). 1: none."""
 
     def check(self) -> None:
         """Raise ValueError (or ConfigError) on a setting no run could have."""
@@ -185,9 +190,10 @@ class ReplaySetup:
                 raise ValueError(f"{name}={value!r} must be finite and >= 0")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"cores={self.cores!r} must be finite and > 0")
-        over = self.oversubscribed_wall_s_per_cpu_s
-        if not (math.isfinite(over) and over > 0):
-            raise ValueError(f"oversubscribed_wall_s_per_cpu_s={over!r} must be finite and > 0")
+        for name in ("oversubscribed_wall_s_per_cpu_s", "oversubscribed_cpu_s_per_cpu_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be finite and > 0")
         self.balance("optimal").validate()
         self.packing.check()
 
@@ -257,7 +263,8 @@ def _step_times_s(
     sliced = [1.0] * len(forward)
     if cores is not None and setup.ratios_are_external:
         over = setup.oversubscribed_wall_s_per_cpu_s
-        sliced = [over if s else 1.0 for s in time_sliced(forward, backward, m, cores)]
+        cpu = setup.oversubscribed_cpu_s_per_cpu_s
+        sliced = [cpu * over if s else cpu for s in time_sliced(forward, backward, m, cores)]
     out = {}
     for ratio in set(ratios):
         k = ratio if cores is None or setup.ratios_are_external else max(1.0, ratio / own)

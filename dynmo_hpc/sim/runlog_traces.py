@@ -27,6 +27,8 @@ class RunTraces:
 
     reports: list[CostReport]
     report_steps: list[int]
+    report_parts: list[list[int]]
+    """The partition each report's costs were measured on (which layers shared a rank)."""
     num_stages: int
     num_microbatches: int
     schedule: str
@@ -121,6 +123,7 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
     return RunTraces(
         reports=reports,
         report_steps=steps,
+        report_parts=[list(run.parts_at(step)) for step in steps],
         num_stages=int(pipeline["num_stages"]),
         num_microbatches=int(train["num_microbatches"]),
         schedule=str(pipeline["schedule"]),
