@@ -6,8 +6,9 @@ What it does, in order:
      that share no run;
   2. fits the machine calibration on the calibration set only
      (:func:`dynmo_hpc.sim.heldout.fit_machine`: the overheads, the other processes' wall-per-CPU
-     factor, the factor of more ranks than cores, fitted on the calibration runs with more
-     stages than cores; link and optimizer from --base-machine) and writes it
+     factor, the layers' CPU factor of more ranks than cores, fitted on the runs of one job
+     at both kinds of stage count, and the wall factor, fitted on the calibration runs with
+     more stages than cores; link and optimizer from --base-machine) and writes it
      (--write-machine);
   3. for each held-out pair (X, Y), predicts Y's median step time and the speedup Y/X from X's
      load reports alone, under Y's settings (stages, microbatches, algorithm), with that machine
@@ -251,9 +252,12 @@ def hidden_terms(run: RunLog, machine: MachineModel) -> dict[str, float]:
             machine, external_wall_s_per_cpu_s=None
         ),
         "+ other processes' load": dataclasses.replace(
+            machine, oversubscribed_wall_s_per_cpu_s=None, oversubscribed_cpu_s_per_cpu_s=None
+        ),
+        "+ layers' CPU seconds with more ranks than cores": dataclasses.replace(
             machine, oversubscribed_wall_s_per_cpu_s=None
         ),
-        "+ more ranks than cores (all terms)": machine,
+        "+ more ranks than cores, wall (all terms)": machine,
         "all terms but a core per stage": dataclasses.replace(machine, cores=None),
     }
     return {
@@ -306,10 +310,11 @@ def markdown(
 ) -> str:
     """The table to paste into docs/simulate.md#held-out-validation."""
     fitted_on = ", ".join((machine.notes or {}).get("fitted_on", []))
-    over = machine.oversubscribed_wall_s_per_cpu_s
+    over, cpu = machine.oversubscribed_wall_s_per_cpu_s, machine.oversubscribed_cpu_s_per_cpu_s
     lines = [
         f"Machine calibration fitted on {fitted_on} (external load "
-        f"{machine.external_wall_s_per_cpu_s:.3f}, more ranks than cores "
+        f"{machine.external_wall_s_per_cpu_s:.3f}, more ranks than cores: layers' CPU "
+        f"{'none' if cpu is None else f'{cpu:.3f}'}, wall "
         f"{'none' if over is None else f'{over:.3f}'}); "
         f"measured {time.strftime('%Y-%m-%d %H:%M')}",
         "",
