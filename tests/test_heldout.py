@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import h5py
 import pytest
 
+from dynmo_hpc.balance.restart import estimated_restart_s
 from dynmo_hpc.cli import main
 from dynmo_hpc.runlog import load
 from dynmo_hpc.sim.heldout import (
@@ -309,6 +310,14 @@ def test_fit_machine_fits_the_oversubscription_factor_on_its_own_runs_only(
     )
     assert expected is not None and both.oversubscribed_cpu_s_per_cpu_s == expected
     assert machine_from_json(both.to_json()) == both
+    # A run that never resized: the trainer's estimate from its logged start-up and state.
+    traces = traces_from_runlog(src)
+    launches = src.events[src.events["kind"] == "launch"]["detail"].tolist()
+    assert launches, "the run logged no start-up"
+    state_bytes = float(sum(traces.reports[0].layer_bytes))
+    assert traces.measured_restart_s == pytest.approx(
+        estimated_restart_s(float(launches[0]["startup_s"]), None, state_bytes)
+    )
     assert fitted.oversubscribed_wall_s_per_cpu_s >= 1.0
     # The fit is the definition: p3 replayed from its own costs with the factor meets its
     # measured step (or the factor is 1: predicted at or above it already).
