@@ -117,6 +117,7 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
                 layer_bytes=[int(x) for x in layer_bytes],
             )
         )
+    restart_s = measured_restart_s(run, reports)
     model, train = _section(run.config, "model"), _section(run.config, "train")
     pipeline, balance = _section(run.config, "pipeline"), _section(run.config, "balance")
     micro_batch, seq_len = int(train["micro_batch_size"]), int(model["seq_len"])
@@ -132,8 +133,8 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
         smoothing=float(balance["smoothing"]),
         tokens_per_microbatch=micro_batch * seq_len,
         activation_bytes=micro_batch * seq_len * int(model["d_model"]) * ACTIVATION_BYTES_PER_VALUE,
-        packing=packing_setup(run.config.get("elastic"), measured_restart_s(run, reports)),
-        measured_restart_s=measured_restart_s(run, reports),
+        packing=packing_setup(run.config.get("elastic"), restart_s),
+        measured_restart_s=restart_s,
         step_wall_s_per_cpu_s=measured_wall_s_per_cpu_s(run, steps),
     )
 
@@ -156,9 +157,10 @@ def measured_restart_s(run: RunLog, reports: list[CostReport]) -> float | None:
     The median of the run's resizes if it resized; else the trainer's estimate before its
     first resize (:func:`dynmo_hpc.balance.restart.estimated_restart_s`) from the run's first
     launch's start-up (its ``launch`` event) and its first load report's checkpoint time: the
-    seconds of a checkpoint written by then, else the report's state bytes at the assumed disk
-    speed. Why at the first report: that is what a packing run of the job knows at its first
-    packing decision, so a run that never packed predicts that decision with the same numbers.
+    seconds of the last checkpoint written by then, else the report's state bytes at the
+    assumed disk speed. Why at the first report: that is what a packing run of the job knows at
+    its first packing decision, so a run that never packed predicts that decision with the same
+    numbers.
     None for a log without a ``launch`` event (written before the event existed, or by a
     launcher that recorded no start time).
     """
@@ -177,23 +179,23 @@ def measured_restart_s(run: RunLog, reports: list[CostReport]) -> float | None:
     ]
     state_bytes = float(sum(reports[0].layer_bytes)) if reports else 0.0
     return estimated_restart_s(
-        startups_s[0], checkpoints_s[0] if checkpoints_s else None, state_bytes
+        startups_s[0], checkpoints_s[-1] if checkpoints_s else None, state_bytes
     )
 
 
-def packing_setup(elastic: Any, measured_restart_s: float | None) -> PackingSetup:
+def packing_setup(elastic: Any, restart_s: float | None) -> PackingSetup:
     """A run's ``elastic`` section as a :class:`PackingSetup` (defaults where absent).
 
     The restart overhead is the section's ``restart_overhead_s``; if that is null (measure
-    it), ``measured_restart_s`` (:func:`measured_restart_s`: of this run, or of another run of
-    the same job predicting it); if that is None too, the default.
+    it), ``restart_s`` (:func:`measured_restart_s`: of this run, or of another run of the same
+    job predicting it); if that is None too, the default.
     """
     if not isinstance(elastic, dict):
         elastic = {}
     default = PackingSetup()
     overhead = elastic.get("restart_overhead_s")
     if overhead is None:
-        overhead = measured_restart_s
+        overhead = restart_s
     return PackingSetup(
         interval=int(elastic.get("interval", default.interval)),
         pack_policy=str(elastic.get("policy", default.pack_policy)),
