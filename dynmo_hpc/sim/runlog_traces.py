@@ -117,7 +117,7 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
                 layer_bytes=[int(x) for x in layer_bytes],
             )
         )
-    restart_s = measured_restart_s(run, reports)
+    restart_s = measured_restart_s(run, steps, reports)
     model, train = _section(run.config, "model"), _section(run.config, "train")
     pipeline, balance = _section(run.config, "pipeline"), _section(run.config, "balance")
     micro_batch, seq_len = int(train["micro_batch_size"]), int(model["seq_len"])
@@ -139,19 +139,16 @@ def traces_from_runlog(run: RunLog) -> RunTraces:
     )
 
 
-def _resize_totals_s(run: RunLog) -> list[float]:
-    """Seconds each resize of the run stopped training (its ``resize`` events' ``total_s``)."""
-    rows = run.events[run.events["kind"] == "resize"]
-    return [float(d["total_s"]) for d in rows["detail"] if isinstance(d, dict) and "total_s" in d]
-
-
-def _detail_values(run: RunLog, kind: str, key: str) -> list[float]:
-    """``key`` of every ``kind`` event's detail, in log order (events without it skipped)."""
-    rows = run.events[run.events["kind"] == kind]
+def _detail_values(events: Any, kind: str, key: str) -> list[float]:
+    """``key`` of every ``kind`` event's detail in ``events`` (a run log's events table or
+    rows of it), in log order; events without it skipped."""
+    rows = events[events["kind"] == kind]
     return [float(d[key]) for d in rows["detail"] if isinstance(d, dict) and key in d]
 
 
-def measured_restart_s(run: RunLog, reports: list[CostReport]) -> float | None:
+def measured_restart_s(
+    run: RunLog, report_steps: list[int], reports: list[CostReport]
+) -> float | None:
     """A resize's pause as the run's own measurements put it, or None when they cannot.
 
     The median of the run's resizes if it resized; else the trainer's estimate before its
@@ -164,19 +161,15 @@ def measured_restart_s(run: RunLog, reports: list[CostReport]) -> float | None:
     None for a log without a ``launch`` event (written before the event existed, or by a
     launcher that recorded no start time).
     """
-    resizes_s = _resize_totals_s(run)
+    resizes_s = _detail_values(run.events, "resize", "total_s")
     if resizes_s:
         return float(statistics.median(resizes_s))
-    startups_s = _detail_values(run, "launch", "startup_s")
+    startups_s = _detail_values(run.events, "launch", "startup_s")
     if not startups_s:
         return None
-    first_report_step = int(run.layer_costs["step"].min()) if reports else -1
+    first_report_step = report_steps[0] if report_steps else -1
     early = run.events[run.events["step"] <= first_report_step]
-    checkpoints_s = [
-        float(d["seconds"])
-        for d in early[early["kind"] == "checkpoint"]["detail"]
-        if isinstance(d, dict) and "seconds" in d
-    ]
+    checkpoints_s = _detail_values(early, "checkpoint", "seconds")
     state_bytes = float(sum(reports[0].layer_bytes)) if reports else 0.0
     return estimated_restart_s(
         startups_s[0], checkpoints_s[-1] if checkpoints_s else None, state_bytes
