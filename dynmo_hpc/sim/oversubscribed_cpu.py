@@ -3,9 +3,9 @@ on another.
 
 A load report holds each layer's *thread CPU* seconds. With more ranks than cores the ranks
 take turns on the cores and the scheduler moves them between cores; every switch refills the
-caches, so the same layer takes more CPU seconds than in a run with a core per rank: about
-1.1x on the development machine, on every layer, including the layers of a stage heavy enough
-to have a core mostly to itself (docs/simulate.md, "Held-out validation"). A held-out
+caches, so the same layer takes more CPU seconds than in a run with a core per rank, on every
+layer, including the layers of a stage heavy enough to have a core mostly to itself (measured:
+docs/simulate.md, "The machine calibration"). A held-out
 prediction that changes whether the ranks outnumber the cores (a 2-stage run predicting a
 3-stage run on 2 cores, a 4-stage run predicting the 2 stages it packs onto) must take that out
 of the source's costs and put it into the target's steps; the replay's other factors (the
