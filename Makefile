@@ -10,19 +10,19 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 # The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
-	dynmo_hpc/pipeline/lineage.py dynmo_hpc/pipeline/manifest.py \
+	dynmo_hpc/checkpoint/lineage.py dynmo_hpc/checkpoint/manifest.py \
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
-	dynmo_hpc/pipeline/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/pipeline/waiting.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
+	dynmo_hpc/train/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/pipeline/waiting.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \
-	dynmo_hpc/launch/preflight.py dynmo_hpc/pipeline/corpus.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
+	dynmo_hpc/launch/preflight.py dynmo_hpc/data/corpus.py dynmo_hpc/data/tokens.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
 	dynmo_hpc/handoff dynmo_hpc/report_cycle.py dynmo_hpc/placement.py \
-	dynmo_hpc/pipeline/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
+	dynmo_hpc/testing/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
 	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/oversubscribed_cpu.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/heldout.py dynmo_hpc/sim/cost_model.py dynmo_hpc/sim/cost_ops.py dynmo_hpc/sim/scale.py dynmo_hpc/runlog/trajectory.py dynmo_hpc/bench/algorithms.py \
-	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/host_memory.py dynmo_hpc/pipeline/capacity.py \
-	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/pipeline/ab.py \
-	dynmo_hpc/sim/short_runs.py dynmo_hpc/bench/scripts.py \
-	dynmo_hpc/sim/cost_fit.py dynmo_hpc/sim/cost_measure.py
+	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/migration/host_memory.py dynmo_hpc/train/capacity.py \
+	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/train/ab_arms.py \
+	dynmo_hpc/calibrate/short_runs.py dynmo_hpc/bench/scripts.py \
+	dynmo_hpc/calibrate/cost_fit.py dynmo_hpc/calibrate/cost_measure.py
 
 .PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean
 

@@ -29,7 +29,7 @@ def rank_main(mib: int, reps: int) -> None:
     from mpi4py import MPI
 
     from dynmo_hpc.pipeline.comm import wait_quietly
-    from dynmo_hpc.pipeline.wire import Incoming, Outgoing, exchange
+    from dynmo_hpc.pipeline.migration.wire import Incoming, Outgoing, exchange
 
     comm = MPI.COMM_WORLD
     rank, peer = comm.rank, 1 - comm.rank

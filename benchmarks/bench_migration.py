@@ -1,6 +1,6 @@
 """Migration throughput against a raw mpi4py send of the same bytes, side by side.
 
-For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration
+For a layer of a given width, rank 0 migrates it to rank 1 with dynmo_hpc.pipeline.migration.move
 (pickle the module and its AdamW state with storages out of band, send every byte, hash both
 sides, verify, rebuild) and, interleaved in the same run, sends the same number of bytes with a
 bare ``comm.Send`` into the same kind of memory. Every migration is followed by its own bare
@@ -10,8 +10,8 @@ per-migration ratio (raw time / migration time: 1.0 is wire speed).
 Two kinds of migration alternate, each moving the layer one way and back:
 - "migrate": the steady state of a rebalance that moves layers back and forth between
   neighbours. The receiver receives into memory recycled from the layer it gave away before
-  (``dynmo_hpc.pipeline.host_memory``), so it pays no page faults; its bare Send receives into
-  a buffer the rank has used before, which pays none either.
+  (``dynmo_hpc.pipeline.migration.host_memory``), so it pays no page faults; its bare Send
+  receives into a buffer the rank has used before, which pays none either.
 - "first move": the receiver takes fresh memory, as for a layer's first move into a rank; its
   bare Send receives into a fresh buffer, with the same page faults.
 
@@ -57,8 +57,8 @@ def one_round(
     import numpy as np
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.host_memory import POOL
-    from dynmo_hpc.pipeline.migration import migrate
+    from dynmo_hpc.pipeline.migration.host_memory import POOL
+    from dynmo_hpc.pipeline.migration.move import migrate
 
     comm.Barrier()
     with POOL.fresh() if fresh else contextlib.nullcontext():
@@ -86,8 +86,8 @@ def rank_main(
 
     from dynmo_hpc import config as config_mod
     from dynmo_hpc.bench.scripts import write_json_out
+    from dynmo_hpc.data.batches import TextDataset
     from dynmo_hpc.pipeline.comm import StageLink
-    from dynmo_hpc.pipeline.data import TextDataset
     from dynmo_hpc.pipeline.device import pick_device
     from dynmo_hpc.pipeline.stage import PipelineStage
 

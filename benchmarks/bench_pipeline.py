@@ -1,7 +1,7 @@
 """Pipeline throughput, side by side in one run on this machine.
 
 Three ways to train the same model, same split, same microbatches:
-  1. a single process (dynmo_hpc.pipeline.reference: all layers, no pipeline);
+  1. a single process (dynmo_hpc.testing.reference: all layers, no pipeline);
   2. our engine: 2 MPI ranks, 1F1B;
   3. torch.distributed.pipelining Schedule1F1B over gloo, 2 ranks
      (benchmarks/torch_pipelining_rank.py).
@@ -31,9 +31,9 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.bench.scripts import write_json_out
 from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, launch_local, openmpi_env
 from dynmo_hpc.launch.rundir import prepare_run_dir
-from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.pipeline.schedule import theoretical_bubble_fraction
 from dynmo_hpc.runlog import load
+from dynmo_hpc.testing.reference import train_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ What it does, in order:
   2. runs the calibration jobs (2 and 4 ranks; plain, MoD, MoE, imbalanced; M = 4 and 8; 1F1B
      and GPipe; static, and two imbalanced runs that migrate under `optimal` and `diffusion`),
      short ones, one at a time, or takes those already in --runs-dir with --reuse;
-  3. splits each run's measured step per stage (dynmo_hpc.sim.calibration.decompose);
+  3. splits each run's measured step per stage (dynmo_hpc.sim.overheads.decompose);
   4. for each run, fits the per-step, per-action and per-report overheads on the OTHER runs
      (leave one out), writes them with step 1's constants to a machine file and runs
      `dynmo-hpc simulate --from RUN --machine FILE --wall-per-cpu run` with the run's policy
@@ -42,12 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
 from dynmo_hpc.bench.scripts import write_json_out  # noqa: E402
+from dynmo_hpc.calibrate.short_runs import ShortRun, short_run_config  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.pipeline.comm import WAIT_MAX_SLEEP_S  # noqa: E402
 from dynmo_hpc.runlog import load  # noqa: E402
-from dynmo_hpc.sim.calibration import RunDecomposition, decompose, fit_overheads  # noqa: E402
 from dynmo_hpc.sim.machine import MachineModel, save_machine  # noqa: E402
-from dynmo_hpc.sim.short_runs import ShortRun, short_run_config  # noqa: E402
+from dynmo_hpc.sim.overheads import RunDecomposition, decompose, fit_overheads  # noqa: E402
 
 STEPS = 12
 INTERVAL = 4

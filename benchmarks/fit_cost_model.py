@@ -5,8 +5,8 @@ What it does, in order:
      exit, block-sparse, frozen) at each --widths d_model (d_ff = 4 d_model) and each
      --shapes sequence x micro batch, in this process on one torch thread: the median thread
      CPU seconds of the forward and of the backward over --repeats interleaved rounds
-     (dynmo_hpc/sim/cost_measure.py); or reads them back with --from-samples;
-  2. fits the rates (dynmo_hpc/sim/cost_fit.py) on every width but --hold-out;
+     (dynmo_hpc/calibrate/cost_measure.py); or reads them back with --from-samples;
+  2. fits the rates (dynmo_hpc/calibrate/cost_fit.py) on every width but --hold-out;
   3. prints, per layer of the held-out width, predicted against measured (forward, backward,
      their sum) and the max and median relative error, then the same summary with each width
      held out in turn;
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc.atomic_io import atomic_write_text  # noqa: E402
-from dynmo_hpc.sim.cost_fit import (  # noqa: E402
+from dynmo_hpc.calibrate.cost_fit import (  # noqa: E402
     ErrorSummary,
     LayerError,
     Sample,
@@ -62,7 +62,10 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def measure_samples(args: argparse.Namespace) -> list[Sample]:
-    from dynmo_hpc.sim.cost_measure import measure, standard_cases  # torch: only when measuring
+    from dynmo_hpc.calibrate.cost_measure import (  # torch: only when measuring
+        measure,
+        standard_cases,
+    )
 
     cases = [
         case

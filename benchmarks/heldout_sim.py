@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from dynmo_hpc import config as config_mod  # noqa: E402
 from dynmo_hpc.bench.scripts import write_json_out, write_text_out  # noqa: E402
+from dynmo_hpc.calibrate.short_runs import ShortRun, short_run_config  # noqa: E402
 from dynmo_hpc.cli import main as cli_main  # noqa: E402
 from dynmo_hpc.cli.simulate import format_table  # noqa: E402
 from dynmo_hpc.runlog import RunLog, load  # noqa: E402
@@ -75,7 +76,6 @@ from dynmo_hpc.sim.machine import (  # noqa: E402
     shipped_machine_path,
 )
 from dynmo_hpc.sim.runlog_traces import traces_from_runlog  # noqa: E402
-from dynmo_hpc.sim.short_runs import ShortRun, short_run_config  # noqa: E402
 
 SMALL_BATCH = ("train.micro_batch_size=2",)
 """The default job's batch of 8 makes a step several times longer than the others' here."""

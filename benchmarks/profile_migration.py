@@ -45,8 +45,8 @@ def _stage(d_model: int) -> Any:
     from mpi4py import MPI
 
     from dynmo_hpc import config as config_mod
+    from dynmo_hpc.data.batches import TextDataset
     from dynmo_hpc.pipeline.comm import StageLink
-    from dynmo_hpc.pipeline.data import TextDataset
     from dynmo_hpc.pipeline.stage import PipelineStage
 
     cfg = config_mod.from_dict(
@@ -79,7 +79,7 @@ def _median_ms(fn: Callable[[], Any], flush: Callable[[], Any] | None, repeats: 
 
 
 def _python_row(d_model: int, flush: Callable[[], Any] | None) -> str:
-    from dynmo_hpc.pipeline import migration
+    from dynmo_hpc.pipeline.migration.move import move as migration
 
     stage = _stage(d_model)
     slot = stage.slots[1]
@@ -120,7 +120,7 @@ def hash_speeds(chunk_bytes: int = 1 << 20, total_bytes: int = 256 << 20) -> Non
     these (its time is the 'receiver hashes' column less 'hashing off')."""
     import numpy as np
 
-    from dynmo_hpc.pipeline.wire import digest
+    from dynmo_hpc.pipeline.migration.wire import digest
 
     chunk = np.ones(chunk_bytes, dtype=np.uint8)
     memory = np.ones(total_bytes, dtype=np.uint8)
@@ -153,8 +153,9 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     import numpy as np
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline import migration, wire
-    from dynmo_hpc.pipeline.host_memory import POOL
+    from dynmo_hpc.pipeline.migration.host_memory import POOL
+    from dynmo_hpc.pipeline.migration.move import move as migration
+    from dynmo_hpc.pipeline.migration.move import wire
 
     real_digest = wire.digest
     buffers = migration.pack_layer(_stage(d_model).slots[1]).buffers

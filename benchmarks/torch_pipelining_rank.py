@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext, build_layer
 from dynmo_hpc.model.optim import build_optimizer, lr_at, set_lr
-from dynmo_hpc.pipeline.data import TextDataset
-from dynmo_hpc.pipeline.trainer import initial_partition
+from dynmo_hpc.train.trainer import initial_partition
 
 
 class StageModule(nn.Module):

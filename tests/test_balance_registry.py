@@ -18,8 +18,8 @@ from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.config.loader import from_dict
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.pipeline.costs import LayerSize, LoadReport
-from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, replay_algorithms
+from dynmo_hpc.train.rebalance import decide
 
 TOY = "front-loaded"
 

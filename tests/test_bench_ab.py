@@ -18,7 +18,8 @@ import pytest
 from dynmo_hpc.bench.ab import compare_arms, mark_steps, report_overheads
 from dynmo_hpc.bench.summary import algorithm_label
 from dynmo_hpc.errors import ConfigError
-from dynmo_hpc.pipeline.ab import (
+from dynmo_hpc.runlog import load
+from dynmo_hpc.train.ab_arms import (
     DYNMO_ARM,
     NO_ARM,
     STATIC_ARM,
@@ -26,7 +27,6 @@ from dynmo_hpc.pipeline.ab import (
     ab_arm,
     wall_s_per_cpu_s,
 )
-from dynmo_hpc.runlog import load
 from tests.helpers.jobs import run_job, tiny_config
 
 

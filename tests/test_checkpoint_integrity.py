@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.errors import CheckpointError, LaunchError
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.rundir import claim_run_dir
-from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from tests.helpers.jobs import ROOT, TINY, read_result, tiny_config
 

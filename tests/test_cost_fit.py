@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_hpc.sim.cost_fit import (
+from dynmo_hpc.calibrate.cost_fit import (
     Sample,
     fit_rates,
     split_width,
@@ -240,7 +240,7 @@ def test_every_constant_of_the_gpu_file_is_cited() -> None:
 
 def test_measure_fit_predict_end_to_end_on_small_layers() -> None:
     torch = pytest.importorskip("torch")  # the CPU wheel is a project dependency
-    from dynmo_hpc.sim.cost_measure import build_case, measure, standard_cases
+    from dynmo_hpc.calibrate.cost_measure import build_case, measure, standard_cases
 
     cases = [c for d in (32, 64, 128) for c in standard_cases(d, 64, 2)]
     assert {c.label.rpartition("/")[2] for c in cases} >= {"plain", "mod0.5", "sparse0.5"}

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.launch.local import launch_local
-from dynmo_hpc.pipeline import checkpoint
-from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
 from tests.helpers.scheme_jobs import scheme_config

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_hpc.balance.restart import estimated_restart_s
+from dynmo_hpc.balance.restart_overhead import estimated_restart_s
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.handoff import resize
 from dynmo_hpc.handoff.failures import take_pending_failures
 from dynmo_hpc.handoff.oom import OUT_OF_MEMORY, is_out_of_memory, record_out_of_memory
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import StepResult, supervise
-from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
 from tests.helpers.elastic import run_static_and_packed

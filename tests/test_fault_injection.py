@@ -15,7 +15,7 @@ import pytest
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.config.fault import FaultSection
 from dynmo_hpc.errors import ConfigError
-from dynmo_hpc.pipeline.fault_injection import ArmedFault, NoFaults, make_injector
+from dynmo_hpc.testing.fault_injection import ArmedFault, NoFaults, make_injector
 
 
 def _fault(**kw: object) -> FaultSection:

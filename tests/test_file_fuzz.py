@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.errors import CheckpointError, ConfigError, RunLogError
 from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
-from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import RunLog, RunLogWriter, load, precheck, reader, schema
 from dynmo_hpc.runlog.report import summarize
 from tests.helpers.jobs import ROOT, run_job, tiny_config

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
-from dynmo_hpc.pipeline.reference import train_reference
+from dynmo_hpc.checkpoint.store import load_layer, resolve
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import ROOT, assert_losses_close, run_job, tiny_config
 
 pytestmark = [

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import h5py
 import pytest
 
-from dynmo_hpc.balance.restart import estimated_restart_s
+from dynmo_hpc.balance.restart_overhead import estimated_restart_s
 from dynmo_hpc.cli import main
 from dynmo_hpc.runlog import load
 from dynmo_hpc.sim.heldout import (

@@ -9,7 +9,7 @@ import itertools
 import torch
 from torch import nn
 
-from dynmo_hpc.pipeline.host_memory import (
+from dynmo_hpc.pipeline.migration.host_memory import (
     ALIGN_BYTES,
     LARGE_STORAGE_BYTES,
     ArenaPool,

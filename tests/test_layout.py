@@ -10,11 +10,15 @@ The subpackages are layered, each importing only from the layers below it (a pac
 1. the top-level modules (``errors``, ``version``, ``atomic_io``, ``logging_utils``,
    ``isolation``, ``report_cycle``, ``placement``);
 2. ``config``;
-3. ``balance``, ``model``, ``runlog``, ``handoff`` (what a rank and its launcher exchange);
-4. ``pipeline`` (the ranks);
-5. ``launch`` (starting ranks locally, the supervisor every launcher shares), ``sim``, ``bench``;
-6. ``slurm`` (the SLURM backend, its in-allocation manager and submission, built on ``launch``);
-7. ``cli``, then the package root and ``__main__``.
+3. ``balance``, ``model``, ``runlog``, ``handoff`` (what a rank and its launcher exchange),
+   ``data`` (corpus and batches), ``testing`` (machinery only the tests switch on);
+4. ``pipeline`` (the engine on every rank: stage, schedule, links, migration);
+5. ``checkpoint`` (writing, lineage, resume);
+6. ``train`` (the step loop, load reports, rank 0's decisions);
+7. ``launch`` (starting ranks locally, the supervisor every launcher shares), ``sim``,
+   ``calibrate`` (the simulator's fitted rates), ``bench``;
+8. ``slurm`` (the SLURM backend, its in-allocation manager and submission, built on ``launch``);
+9. ``cli``, then the package root and ``__main__``.
 """
 
 from __future__ import annotations

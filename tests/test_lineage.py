@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from dynmo_hpc.checkpoint import lineage, resume
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import newest_checkpoint
-from dynmo_hpc.pipeline import checkpoint, lineage, resume
 from dynmo_hpc.runlog import load
 from tests.helpers.jobs import read_result, tiny_config
 
@@ -263,9 +264,9 @@ def _one_rank(tmp_path: Path, *overrides: str) -> Any:
 def test_the_resumed_from_line_is_logged_on_a_resume_and_not_on_a_fresh_restart(tmp_path, caplog):
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.trainer import Trainer
+    from dynmo_hpc.train.trainer import Trainer
 
-    caplog.set_level(logging.INFO, logger="dynmo_hpc.pipeline.trainer")
+    caplog.set_level(logging.INFO, logger="dynmo_hpc.train.trainer")
     cfg = _one_rank(tmp_path, "train.steps=2", "checkpoint.at_end=true")
     cfg.run_dir.mkdir(parents=True)
     Trainer(cfg, MPI.COMM_SELF, cfg.run_dir).train()

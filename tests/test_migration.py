@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
+from dynmo_hpc.checkpoint.store import load_layer, resolve
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
 from tests.helpers.jobs import read_result, tiny_config

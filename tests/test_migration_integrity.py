@@ -40,9 +40,9 @@ def rank_main(out_dir: Path) -> None:
     from mpi4py import MPI
 
     from dynmo_hpc import config as config_mod
+    from dynmo_hpc.data.batches import TextDataset
     from dynmo_hpc.pipeline.comm import StageLink
-    from dynmo_hpc.pipeline.data import TextDataset
-    from dynmo_hpc.pipeline.migration import MigrationError, migrate
+    from dynmo_hpc.pipeline.migration.move import MigrationError, migrate
     from dynmo_hpc.pipeline.stage import PipelineStage
 
     comm = MPI.COMM_WORLD
@@ -120,7 +120,7 @@ def test_corrupted_chunk_fails_the_migration_cleanly(tmp_path):
 def test_tag_budget_is_checked_against_the_mpi_limit():
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.wire import MIN_TAG_UB, check_tag_space, tag_upper_bound
+    from dynmo_hpc.pipeline.migration.wire import MIN_TAG_UB, check_tag_space, tag_upper_bound
 
     tag_ub = tag_upper_bound(MPI.COMM_WORLD)
     assert tag_ub >= MIN_TAG_UB == 32767

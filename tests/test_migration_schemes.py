@@ -2,7 +2,7 @@
 
 Three ranks run the library's own trainer (``Trainer.train``) twice per case: once static, once
 with ``balance.force_moves=true``, which makes each load report (every step) migrate a layer
-with :func:`dynmo_hpc.pipeline.migration.migrate` (pickled module and AdamW, verified chunks).
+with :func:`dynmo_hpc.pipeline.migration.move.migrate` (pickled module and AdamW, verified chunks).
 A migrated layer must arrive exactly as it left, so the two runs must agree bitwise: per-step
 losses, the run log's scheme events (counters, densities, capacities, freezes, prunes), every
 rank's frozen prefix, and every layer's state after every step (so right after each migration,
@@ -10,7 +10,7 @@ before the next forward can overwrite anything): parameters and buffers (pruned 
 frozen flags, densities, capacities, exit-head switches), ``requires_grad``, the class and public
 attributes of every submodule (router statistics, head counts, ...), and the AdamW state. The
 static run's losses and final weights also equal the single-process reference
-(:func:`dynmo_hpc.pipeline.reference.train_reference`) bitwise.
+(:func:`dynmo_hpc.testing.reference.train_reference`) bitwise.
 
 The initial partition is chosen so the migrated layers carry the scheme's state: the forced
 moves shift a boundary by one layer at a time, so with 3 stages only two layers ever move
@@ -38,8 +38,8 @@ import torch
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
-from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import ROOT, TINY
 from tests.helpers.scheme_jobs import SCHEME_OVERRIDES, scheme_acted, scheme_events
 
@@ -176,7 +176,7 @@ def fingerprint(value: Any, path: str = "") -> dict[str, str]:
 def rank_main(out_dir: Path) -> None:
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.trainer import Trainer
+    from dynmo_hpc.train.trainer import Trainer
 
     class ObservedTrainer(Trainer):
         """The real trainer; after every step (and its migration, if any) rank 0 collects the

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dynmo_hpc.pipeline.comm import TorchDistLink, rendezvous_address
-from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.pipeline.schedule import build_schedule
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import assert_losses_close, run_job, tiny_config
 
 SPEC = {"h": ((2, 3), torch.float32), "mask": ((2,), torch.int64)}

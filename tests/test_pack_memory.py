@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynmo_hpc.pipeline import capacity, elastic
 from dynmo_hpc.pipeline.costs import LayerSize, LoadReport
+from dynmo_hpc.train import capacity
+from dynmo_hpc.train import pack_inputs as elastic
 from tests.helpers.jobs import tiny_config
 
 GIB = 1 << 30

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.pipeline.checkpoint import load_layer, resolve
-from dynmo_hpc.pipeline.reference import train_reference
+from dynmo_hpc.checkpoint.store import load_layer, resolve
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
 

@@ -12,9 +12,9 @@ import pytest
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli import main
 from dynmo_hpc.config import ConfigError, DataSection, JobConfig
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.errors import LaunchError
 from dynmo_hpc.launch import preflight
-from dynmo_hpc.pipeline.data import TextDataset
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = ROOT / "jobs" / "default.yaml"

@@ -17,7 +17,7 @@ from dynmo_hpc.balance import (
 )
 from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.costs import CostTracker, IntervalAccumulator, LayerSize, LoadReport
-from dynmo_hpc.pipeline.rebalance import decide, forced_partition
+from dynmo_hpc.train.rebalance import decide, forced_partition
 
 
 def test_interval_accumulator_means_per_layer_steps():

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.cli.run import resolve_resume
 from dynmo_hpc.launch.local import launch_local
-from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
 from tests.helpers.jobs import read_result

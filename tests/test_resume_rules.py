@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.checkpoint import resume
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.cli import main
 from dynmo_hpc.config.resume_rules import (
     KEY_RULES,
@@ -28,7 +30,6 @@ from dynmo_hpc.config.resume_rules import (
 from dynmo_hpc.errors import CheckpointError, LaunchError
 from dynmo_hpc.launch.rundir import claim_run_dir
 from dynmo_hpc.model.optim import apply_hyperparameters, build_optimizer
-from dynmo_hpc.pipeline import checkpoint, resume
 from tests.helpers.fake_checkpoint import write_fake_checkpoint
 from tests.helpers.jobs import tiny_config
 

@@ -12,9 +12,9 @@ import time
 import h5py
 import pytest
 
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.launch.local import openmpi_env
 from dynmo_hpc.launch.rundir import prepare_run_dir
-from dynmo_hpc.pipeline import checkpoint
 from dynmo_hpc.runlog import load
 from dynmo_hpc.runlog.report import write_report
 from tests.helpers.jobs import ROOT, run_job, tiny_config

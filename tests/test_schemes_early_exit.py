@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.gpt import build_layer as base_build_layer
 from dynmo_hpc.model.schemes import activation_spec, build_layer
-from dynmo_hpc.pipeline.data import TextDataset
 from tests.helpers.scheme_jobs import scheme_config
 
 

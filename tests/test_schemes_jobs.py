@@ -16,7 +16,7 @@ import pytest
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance.static import uniform
 from dynmo_hpc.cli.bench import scheme_jobs
-from dynmo_hpc.config.schemes import every_other_block
+from dynmo_hpc.config.scheme_sections import every_other_block
 from tests.helpers.jobs import ROOT
 
 SCHEME_JOBS = [name for name in scheme_jobs() if name != "plain"]

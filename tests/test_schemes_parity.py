@@ -20,8 +20,8 @@ import pytest
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
-from dynmo_hpc.pipeline.reference import train_reference
 from dynmo_hpc.runlog import load
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result
 from tests.helpers.scheme_jobs import scheme_acted, scheme_config, scheme_events

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.cli.bench import scheme_jobs
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.errors import ConfigError
@@ -32,8 +33,7 @@ from dynmo_hpc.model.schemes import (
     unregister,
 )
 from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
-from dynmo_hpc.pipeline import checkpoint
-from dynmo_hpc.pipeline.reference import train_reference
+from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import ROOT, tiny_config
 from tests.helpers.scheme_jobs import SCHEME_OVERRIDES
 

@@ -1,11 +1,11 @@
 """The short real runs behind ``benchmarks/calibrate_sim.py`` and ``benchmarks/heldout_sim.py``
-(``dynmo_hpc.sim.short_runs``): what each run's job is, from its settings alone."""
+(``dynmo_hpc.calibrate.short_runs``): what each run's job is, from its settings alone."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dynmo_hpc.sim.short_runs import ShortRun, short_run_config, short_run_overrides
+from dynmo_hpc.calibrate.short_runs import ShortRun, short_run_config, short_run_overrides
 from tests.helpers.jobs import ROOT
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dynmo_hpc.balance.restart import ASSUMED_CHECKPOINT_BYTES_PER_S, estimated_restart_s
+from dynmo_hpc.balance.restart_overhead import ASSUMED_CHECKPOINT_BYTES_PER_S, estimated_restart_s
 from dynmo_hpc.cli import main
 from dynmo_hpc.sim.replay import CostReport, PackingSetup, ReplaySetup, replay
 from dynmo_hpc.sim.runlog_traces import packing_setup

@@ -18,9 +18,9 @@ from dynmo_hpc.cli import main
 from dynmo_hpc.cli import simulate as simulate_cli
 from dynmo_hpc.pipeline.schedule import Action, build_schedule
 from dynmo_hpc.runlog import RunLog
-from dynmo_hpc.sim.calibration import RunDecomposition, decompose, fit_overheads
 from dynmo_hpc.sim.machine import MachineModel, Overheads, load_machine, save_machine
 from dynmo_hpc.sim.orders import orders_from_actions, stage_orders
+from dynmo_hpc.sim.overheads import RunDecomposition, decompose, fit_overheads
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay, replay_algorithms
 from dynmo_hpc.sim.runlog_traces import measured_wall_s_per_cpu_s
 from dynmo_hpc.sim.step import simulate_step, stage_times_s, transfer_time_s

@@ -325,7 +325,8 @@ def test_only_a_rank_that_writes_layers_puts_them_in_the_checkpoint(tmp_path: Pa
     import torch
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline import checkpoint, resume
+    from dynmo_hpc.checkpoint import resume
+    from dynmo_hpc.checkpoint import store as checkpoint
 
     module = torch.nn.Linear(2, 2)
     slot = SimpleNamespace(index=0, module=module, optimizer=torch.optim.AdamW(module.parameters()))

@@ -12,13 +12,13 @@ predictions over the coming interval, both in seconds:
   first.
 - **migration** = bytes through the busiest rank / bandwidth, where a rank's bytes are what it
   sends *plus* what it receives: ``max over stages of (bytes sent + bytes received)``. This is
-  how :func:`dynmo_hpc.pipeline.migration.migrate` runs: every move is posted at once, so moves
+  how :func:`dynmo_hpc.pipeline.migration.move.migrate` runs: every move is posted at once, so moves
   between different pairs of ranks proceed concurrently, but on each rank one thread drives MPI
   progress for all of its transfers and hashes every chunk it sends and every chunk it receives
-  (:mod:`dynmo_hpc.pipeline.wire`), so a rank's own sends and receives share that time instead
-  of overlapping. ``bandwidth_bytes_per_s`` is the rate of one transfer between
-  two ranks (:func:`~dynmo_hpc.pipeline.migration.measure_bandwidth`, then what the last migration
-  achieved in these units), so a single move of ``b`` bytes is priced ``b / bandwidth``.
+  (:mod:`dynmo_hpc.pipeline.migration.wire`), so a rank's own sends and receives share that
+  time instead of overlapping. ``bandwidth_bytes_per_s`` is the rate of one transfer between two
+  ranks (:func:`~dynmo_hpc.pipeline.migration.move.measure_bandwidth`, then what the last
+  migration achieved in these units), so a single move of ``b`` bytes is priced ``b / bandwidth``.
 
 The new partition is enacted iff ``gain > (1 + margin) * migration``; ``margin`` (a fraction,
 e.g. 0.1 for 10 %) absorbs error in both predictions. :func:`should_follow` extends the rule to a

@@ -1,7 +1,7 @@
 """The balancing algorithms by name: the one place an algorithm is declared.
 
 Why a registry: the config (``balance.algorithm``), the trainer's decision at a load report
-(:func:`dynmo_hpc.pipeline.rebalance.decide`), ``dynmo-hpc plan``, ``dynmo-hpc simulate`` and the
+(:func:`dynmo_hpc.train.rebalance.decide`), ``dynmo-hpc plan``, ``dynmo-hpc simulate`` and the
 bench all need the same facts about an algorithm: its function, the options it takes, what it is
 told at a load report, whether it re-runs while training, and how its proposal is judged. Each
 reads them from :data:`ALGORITHMS`, so adding an algorithm is one :class:`Algorithm` entry and

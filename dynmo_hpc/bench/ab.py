@@ -1,6 +1,6 @@
 """The A/B comparison of one run: its static-split steps against its balancer's steps.
 
-An A/B run (``balance.ab_period_steps``, :mod:`dynmo_hpc.pipeline.ab`) alternates the partition
+An A/B run (``balance.ab_period_steps``, :mod:`dynmo_hpc.train.ab_arms`) alternates the partition
 every ``k`` steps, so both arms ran over the same minutes of the machine. This module picks the
 steps that compare like with like and reduces them to a gain:
 

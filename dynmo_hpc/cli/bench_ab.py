@@ -3,7 +3,7 @@
 For every scheme, repeat, static baseline ``s`` and balancer ``d`` (from ``--algorithms``), one
 job runs with ``pipeline.partition`` set to ``s``'s split, ``balance.algorithm=d`` and
 ``balance.ab_period_steps=k``: the partition alternates between ``s``'s split and ``d``'s plan
-every ``k`` steps (:mod:`dynmo_hpc.pipeline.ab`). The runs go in the interleaved order of the
+every ``k`` steps (:mod:`dynmo_hpc.train.ab_arms`). The runs go in the interleaved order of the
 whole-run bench (pairs rotated from one repeat to the next). The comparison, the ceiling and the
 capture come from each run's log (:mod:`dynmo_hpc.bench.ab`, :mod:`dynmo_hpc.bench.ceiling`).
 """

@@ -42,7 +42,7 @@ def resolve_resume(
     """The verified checkpoint directory ``--resume [PATH]`` names, checked against the job
     under the resume rules (``allowed``: the ``--allow-change`` keys); prints what it chose and
     each accepted change to ``out`` (default stdout), warnings to stderr."""
-    from dynmo_hpc.pipeline import resume
+    from dynmo_hpc.checkpoint import resume
 
     chosen = resume.choose_checkpoint(cfg, path_text, allowed)
     out = sys.stdout if out is None else out

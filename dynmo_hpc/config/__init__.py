@@ -21,7 +21,7 @@ from dynmo_hpc.config.loader import (
     parse_override,
     set_dotted,
 )
-from dynmo_hpc.config.schemes import (
+from dynmo_hpc.config.scheme_sections import (
     SCHEME_SECTIONS,
     EarlyExitSection,
     FreezingSection,

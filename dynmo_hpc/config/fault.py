@@ -1,6 +1,6 @@
 """The ``fault:`` section: how a job recovers from a crashed rank, and test-only fault injection.
 
-The one place a fault is configured; :mod:`dynmo_hpc.pipeline.fault_injection` enacts it.
+The one place a fault is configured; :mod:`dynmo_hpc.testing.fault_injection` enacts it.
 
 A failed MPI step (a rank killed by a signal, an aborted rank, a failed migration) is restarted
 by the process outside the step (:mod:`dynmo_hpc.launch.supervisor`) from the newest complete

@@ -12,7 +12,7 @@ import yaml
 
 from dynmo_hpc.config.elastic import ElasticSection
 from dynmo_hpc.config.fault import FaultSection
-from dynmo_hpc.config.schemes import SchemesSection
+from dynmo_hpc.config.scheme_sections import SchemesSection
 from dynmo_hpc.config.sections import (
     BalanceSection,
     CheckpointSection,

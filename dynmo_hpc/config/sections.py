@@ -391,7 +391,7 @@ class BalanceSection:
     """Benchmarking (A/B within one run): 0 off. ``k > 0``: the partition alternates every ``k``
     steps between the static split (arm A, the job's initial partition: ``pipeline.partition``
     or uniform) and the algorithm's latest plan (arm B), starting with A; the algorithm plans
-    from the measured costs in both arms as if it ran alone (:mod:`dynmo_hpc.pipeline.ab`).
+    from the measured costs in both arms as if it ran alone (:mod:`dynmo_hpc.train.ab_arms`).
     Each step's arm is in the run log. A multiple of ``interval`` (the switch migrates at the
     load report that ends a block); needs a rebalancing algorithm and no elastic packing."""
 

@@ -3,7 +3,7 @@
 An MPI step cannot drop ranks, and SLURM kills any step still running on a released node, so a
 pack is a restart onto fewer ranks:
 
-1. rank 0 decides to pack and broadcasts it (:mod:`dynmo_hpc.pipeline.trainer`);
+1. rank 0 decides to pack and broadcasts it (:mod:`dynmo_hpc.train.trainer`);
 2. every rank writes the checkpoint;
 3. rank 0 writes ``resize_request.json`` (the new replica and stage counts, the partition,
    the checkpoint)

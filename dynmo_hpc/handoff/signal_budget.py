@@ -7,7 +7,7 @@ TIMEOUT with no checkpoint from the warning, and the steps since its last one ar
 
 Both sides check it with the same rule, which is why it sits here, beneath both: the submit
 host (:mod:`dynmo_hpc.launch.preflight`, from the run log of the run being continued) and rank 0
-(:mod:`dynmo_hpc.pipeline.trainer`, once it has measured both in this run).
+(:mod:`dynmo_hpc.train.trainer`, once it has measured both in this run).
 
 The measurement is the median step time (robust to the first, warm-up steps and to a migration
 step) plus the slowest checkpoint seen: the checkpoint after the warning is the same size as

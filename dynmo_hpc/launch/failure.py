@@ -48,7 +48,7 @@ PHASE_WORDS = {
     "checkpoint": "checkpoint write",
     "done": "finished",
 }
-"""The phases of :mod:`dynmo_hpc.pipeline.lifecycle` as a person would say them."""
+"""The phases of :mod:`dynmo_hpc.train.lifecycle` as a person would say them."""
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.data.corpus import read_corpus, split_sizes
 from dynmo_hpc.errors import ConfigError, LaunchError
 from dynmo_hpc.handoff.signal_budget import SignalBudget, measured_budget
-from dynmo_hpc.pipeline.corpus import read_corpus, split_sizes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
 
 def check_data(cfg: JobConfig) -> None:
     """The corpus is a non-empty UTF-8 text file long enough for one sequence per split (the
-    same functions the ranks' :class:`~dynmo_hpc.pipeline.data.TextDataset` uses)."""
+    same functions the ranks' :class:`~dynmo_hpc.data.batches.TextDataset` uses)."""
     corpus = read_corpus(cfg.data.path)
     split_sizes(len(corpus), cfg.data.val_fraction, cfg.model.seq_len)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
+from dynmo_hpc.checkpoint import lineage
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.handoff import rank_status
@@ -47,7 +48,6 @@ from dynmo_hpc.handoff.resize import (
 )
 from dynmo_hpc.launch.failure import StepFailure, describe_failure
 from dynmo_hpc.launch.rundir import prepare_run_dir
-from dynmo_hpc.pipeline import lineage
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ class JobOutcome:
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete, verified checkpoint of the run's current lineage, or None (see
-    :mod:`dynmo_hpc.pipeline.lineage`: never one of an abandoned branch)."""
-    from dynmo_hpc.pipeline import checkpoint
+    :mod:`dynmo_hpc.checkpoint.lineage`: never one of an abandoned branch)."""
+    from dynmo_hpc.checkpoint import store as checkpoint
 
     try:
         return checkpoint.resolve(run_dir)[0].path
@@ -122,7 +122,7 @@ def supervise(
 
     ``restart``: the first step starts over, appending to the run log (a requeued job with no
     checkpoint yet). The job continues the run's checkpoint branch when it resumes from the
-    newest checkpoint of the lineage, else starts one (:func:`dynmo_hpc.pipeline.lineage.enter`).
+    newest checkpoint of the lineage, else starts one (:func:`dynmo_hpc.checkpoint.lineage.enter`).
     ``can_run``: whether the backend can still run a configuration after a shrink (locally
     always; None: it cannot, the nodes are gone).
     """

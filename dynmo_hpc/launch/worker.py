@@ -17,7 +17,7 @@ from mpi4py import MPI
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.handoff.oom import is_out_of_memory, record_out_of_memory
 from dynmo_hpc.logging_utils import setup_logging
-from dynmo_hpc.pipeline.trainer import Trainer
+from dynmo_hpc.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:

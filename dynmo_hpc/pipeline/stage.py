@@ -2,7 +2,7 @@
 
 Ownership (after nanotron): every global layer has exactly one owner stage; a stage holds a
 contiguous, ordered range ``parts[stage]..parts[stage+1]`` as :class:`LayerSlot` objects (module +
-its own AdamW). Migration (:mod:`dynmo_hpc.pipeline.migration`) adds and removes slots; the
+its own AdamW). Migration (:mod:`dynmo_hpc.pipeline.migration.move`) adds and removes slots; the
 runner only ever iterates them in global order.
 
 Per-layer segments: the runner cuts autograd at every layer boundary (each layer's input is a
@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload, Spec
 from dynmo_hpc.model.optim import build_optimizer, scale_grads_, set_lr
 from dynmo_hpc.model.schemes import activation_spec, build_layer
 from dynmo_hpc.pipeline.comm import StageLink
 from dynmo_hpc.pipeline.costs import LayerSize
-from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import LayerTimer, make_timer
-from dynmo_hpc.pipeline.host_memory import layer_tensors, rehome
+from dynmo_hpc.pipeline.migration.host_memory import layer_tensors, rehome
 from dynmo_hpc.pipeline.schedule import Action
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ class LayerSlot:
     backward_timer: LayerTimer
     in_arena: bool = False
     """Whether its large storages live in one huge-page arena (see
-    :mod:`dynmo_hpc.pipeline.host_memory`): true for a layer that arrived by migration, and for
-    every CPU layer after its first optimizer step."""
+    :mod:`dynmo_hpc.pipeline.migration.host_memory`): true for a layer that arrived by migration,
+    and for every CPU layer after its first optimizer step."""
 
 
 @dataclass

@@ -59,10 +59,10 @@ V2_COLUMNS = (SEGMENT_COLUMN, SUPERSEDED_COLUMN)
 """Columns that schema version 1 files lack (readers add them as zeros)."""
 AB_ARM_COLUMN = "ab_arm"
 """``steps``: the step's arm in an A/B run (0 static split, 1 the balancer's plan; -1 not an
-A/B run). See :mod:`dynmo_hpc.pipeline.ab`."""
+A/B run). See :mod:`dynmo_hpc.train.ab_arms`."""
 WALL_CPU_COLUMN = "wall_s_per_cpu_s"
 """``steps``: the step's layers' wall seconds over their thread CPU seconds, largest over the
-ranks (:func:`dynmo_hpc.pipeline.ab.wall_s_per_cpu_s`); NaN where not measured."""
+ranks (:func:`dynmo_hpc.train.ab_arms.wall_s_per_cpu_s`); NaN where not measured."""
 REPLICA_COLUMN = "replica"
 """``stage_times``: the data-parallel replica of the row's stage (0 with one replica)."""
 ALLREDUCE_COLUMN = "allreduce_s"

@@ -11,12 +11,8 @@ modules answer "how long would this step (this run) take?" from numbers alone: n
   wall seconds per CPU second) and their JSON file;
 - :mod:`~dynmo_hpc.sim.cost_model`: a layer's forward and backward FLOPs and bytes from its
   shape and its scheme state, and their seconds at a machine's rates;
-- :mod:`~dynmo_hpc.sim.cost_fit`: those rates fitted on measured layers and checked on layers
-  the fit did not see;
-- :mod:`~dynmo_hpc.sim.cost_measure`: the measuring of the real layers (the one module here that
-  imports torch; nothing else in the package imports it);
-- :mod:`~dynmo_hpc.sim.calibration`: a run log's measured step split per stage, and the overhead
+- :mod:`~dynmo_hpc.sim.overheads`: a run log's measured step split per stage, and the overhead
   constants fitted from such splits;
-- :mod:`~dynmo_hpc.sim.short_runs`: the job configs of the short real runs those fits and the
-  held-out checks train.
+
+The per-layer rates and the calibration runs are fitted in :mod:`dynmo_hpc.calibrate`.
 """

@@ -202,7 +202,7 @@ class LayerCost:
 @dataclass(frozen=True, kw_only=True)
 class PassWork:
     """One pass's work (forward or backward of one microbatch), what :func:`pass_time_s` and the
-    fit (:func:`dynmo_hpc.sim.cost_fit.features`) read; ``attention_flops`` is the part of
+    fit (:func:`dynmo_hpc.calibrate.cost_fit.features`) read; ``attention_flops`` is the part of
     ``flops`` in attention's products, ``weight_bytes`` the part of the bytes charged again at
     ``LayerRates.weight_bytes_per_s``."""
 

@@ -41,8 +41,8 @@ from typing import Any
 
 from dynmo_hpc.pipeline.waiting import WAIT_YIELD_S
 from dynmo_hpc.runlog import RunLog
-from dynmo_hpc.sim.calibration import decompose, fit_overheads, replayed_algorithm
 from dynmo_hpc.sim.machine import MachineModel
+from dynmo_hpc.sim.overheads import decompose, fit_overheads, replayed_algorithm
 from dynmo_hpc.sim.oversubscribed_cpu import alone_costs, fit_oversubscribed_cpu
 from dynmo_hpc.sim.replay import (
     PACKING,
@@ -412,7 +412,7 @@ def fit_machine(
 ) -> MachineModel:
     """The machine calibration from ``runs`` (never the runs it will predict): ``base``'s
     measured constants (optimizer per parameter, link, cores, wake-up), the per-step, per-action
-    and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.calibration.fit_overheads`),
+    and per-report overheads fitted on the runs (:func:`~dynmo_hpc.sim.overheads.fit_overheads`),
     the median of their external load (:func:`external_ratio`), then, with those, the
     oversubscription factor of the runs with more stages than ``base.cores``
     (:func:`fit_oversubscribed`; None when no run has). The oversubscribed CPU factor

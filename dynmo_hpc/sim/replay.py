@@ -4,7 +4,7 @@ Why: a run log records what one algorithm did with one partition. To ask what Me
 split, DeepSpeed's parameter split or DynMo's dynamic balancers would have done with the *same*
 cost history, the history is replayed: each step's time comes from the event-level simulation
 (:mod:`dynmo_hpc.sim.step`) of the partition in force, and the rebalancing algorithms decide at
-each load report with the trainer's own rule (:func:`dynmo_hpc.pipeline.rebalance.decide`: the
+each load report with the trainer's own rule (:func:`dynmo_hpc.train.rebalance.decide`: the
 balancer proposes, :func:`dynmo_hpc.balance.should_rebalance` enacts only if the predicted gain
 until the next report or the end of the run beats the migration time; diffusion moves one phase
 per report).
@@ -42,10 +42,10 @@ from dynmo_hpc.balance.common import check_values
 from dynmo_hpc.balance.packing import PACK_POLICIES, PackRequest, nodes_for, plan_pack
 from dynmo_hpc.config import BalanceSection
 from dynmo_hpc.pipeline.costs import CostTracker
-from dynmo_hpc.pipeline.rebalance import decide
 from dynmo_hpc.sim.machine import Overheads
 from dynmo_hpc.sim.shared_cores import home_cores
 from dynmo_hpc.sim.step import simulate_step, stage_times_s
+from dynmo_hpc.train.rebalance import decide
 
 PACKING = "packing"
 """Not an algorithm: ``optimal`` plus elastic packing. Every ``PackingSetup.interval`` reports,
@@ -414,7 +414,7 @@ def _rebalance(
     report_index: int,
     setup: ReplaySetup,
 ) -> None:
-    """The trainer's decision at this report (:func:`~dynmo_hpc.pipeline.rebalance.decide`);
+    """The trainer's decision at this report (:func:`~dynmo_hpc.train.rebalance.decide`);
     an enacted partition runs from the next step, its predicted migration charged to this one."""
     decision = decide(
         balance,
@@ -457,7 +457,7 @@ def replay(
 
     Each interval is simulated on the partition in force; then, as in the trainer, the report
     is smoothed (:class:`~dynmo_hpc.pipeline.costs.CostTracker`) and, while steps are left, a
-    rebalancing algorithm decides (:func:`~dynmo_hpc.pipeline.rebalance.decide`) and
+    rebalancing algorithm decides (:func:`~dynmo_hpc.train.rebalance.decide`) and
     :data:`PACKING` may pack (:func:`~dynmo_hpc.balance.packing.plan_pack`).
     ``progress(steps_done, num_steps)`` is called after each interval. Raises ValueError on bad
     input (no reports, more stages than layers, NaN costs, ...).

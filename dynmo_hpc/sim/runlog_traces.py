@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dynmo_hpc.balance.restart import estimated_restart_s
+from dynmo_hpc.balance.restart_overhead import estimated_restart_s
 from dynmo_hpc.errors import RunLogError
 from dynmo_hpc.runlog import RunLog
 from dynmo_hpc.sim.replay import CostReport, PackingSetup
@@ -152,8 +152,8 @@ def measured_restart_s(
     """A resize's pause as the run's own measurements put it, or None when they cannot.
 
     The median of the run's resizes if it resized; else the trainer's estimate before its
-    first resize (:func:`dynmo_hpc.balance.restart.estimated_restart_s`) from the run's first
-    launch's start-up (its ``launch`` event) and its first load report's checkpoint time: the
+    first resize (:func:`dynmo_hpc.balance.restart_overhead.estimated_restart_s`) from the run's
+    first launch's start-up (its ``launch`` event) and its first load report's checkpoint time: the
     seconds of the last checkpoint written by then, else the report's state bytes at the
     assumed disk speed. Why at the first report: that is what a packing run of the job knows at
     its first packing decision, so a run that never packed predicts that decision with the same

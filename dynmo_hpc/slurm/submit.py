@@ -410,7 +410,7 @@ def _resume_checkpoint(
     checked under the resume rules before anything is queued."""
     if resume is False:
         return None
-    from dynmo_hpc.pipeline import resume as resume_mod  # torch and MPI: only when resuming
+    from dynmo_hpc.checkpoint import resume as resume_mod  # torch and MPI: only when resuming
 
     refuse_if_locked(cfg.run_dir)
     chosen = resume_mod.choose_checkpoint(cfg, "" if resume is True else str(resume), allow_change)

@@ -11,7 +11,8 @@ from typing import Any
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance import uniform
-from dynmo_hpc.pipeline import checkpoint, resume
+from dynmo_hpc.checkpoint import resume
+from dynmo_hpc.checkpoint import store as checkpoint
 
 
 def write_fake_checkpoint(

@@ -4,7 +4,7 @@ Starting a rank costs seconds (Python, torch, ``torch._dynamo``), far more than 
 the tiny test model, so a test file with many real multi-rank runs trains them all in one launch
 of 4 ranks: :func:`launch` runs the file under ``mpiexec`` (``python -m mpi4py FILE OUT``, so an
 exception on any rank aborts the job), and the file's ``__main__`` calls :func:`train_all`,
-which trains each run with the library's own :class:`~dynmo_hpc.pipeline.trainer.Trainer` on
+which trains each run with the library's own :class:`~dynmo_hpc.train.trainer.Trainer` on
 the communicator named for it. Each run writes what a launched job writes (``result.json`` on its
 rank 0, ``run.h5``, its checkpoints) in its own run directory; the tests read those files.
 
@@ -50,7 +50,7 @@ def train_all(runs: Runs) -> None:
     """On each rank: train every run whose communicator holds this rank, in order."""
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.trainer import Trainer
+    from dynmo_hpc.train.trainer import Trainer
 
     world = MPI.COMM_WORLD
     if world.size != NUM_RANKS:

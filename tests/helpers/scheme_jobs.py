@@ -2,7 +2,7 @@
 
 ``SCHEME_OVERRIDES`` makes each mechanism act within a few steps; :func:`scheme_acted` reads the
 run log's events to confirm that it did. :func:`train_one_rank` trains a job with the library's
-own :class:`~dynmo_hpc.pipeline.trainer.Trainer` on ``MPI.COMM_SELF`` inside the test process
+own :class:`~dynmo_hpc.train.trainer.Trainer` on ``MPI.COMM_SELF`` inside the test process
 (one stage: no ``mpiexec``, so it costs no rank start-up), and returns what the scheme tests look
 at: the losses, the trained layers, the scheme events and the per-step layer costs. The
 multi-rank behaviour (hand-offs, collective decisions, migration) is tested under ``mpiexec`` in
@@ -105,8 +105,8 @@ def train_one_rank(cfg: config_mod.JobConfig) -> OneRankRun:
     """Train ``cfg`` (``pipeline.num_stages=1``) with the real trainer in this process."""
     from mpi4py import MPI
 
-    from dynmo_hpc.pipeline.trainer import Trainer
     from dynmo_hpc.runlog import load
+    from dynmo_hpc.train.trainer import Trainer
 
     if cfg.pipeline.num_stages != 1:
         raise ValueError(

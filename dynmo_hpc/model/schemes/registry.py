@@ -1,7 +1,7 @@
 """The scheme interface and its one registry: every consumer iterates :data:`SCHEMES`.
 
 A scheme is a subclass of :class:`Scheme` registered with :func:`register`. Registration puts its
-config section into :data:`dynmo_hpc.config.schemes.SCHEME_SECTIONS` (so ``schemes.<name>:``
+config section into :data:`dynmo_hpc.config.scheme_sections.SCHEME_SECTIONS` (so ``schemes.<name>:``
 loads from YAML) and its class here; from then on the layer builder, the step-end controller,
 the run log's ``scheme_stats`` events, the checkpoint's counters and ``dynmo-hpc bench`` pick it
 up with no other edit. Nothing else lists the schemes.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.config.schemes import register_section, unregister_section
+from dynmo_hpc.config.scheme_sections import register_section, unregister_section
 from dynmo_hpc.errors import ConfigError
 
 AllGather = Callable[[Any], list[Any]]
@@ -113,7 +113,8 @@ class Scheme:
 
 
 SCHEMES: dict[str, type[Scheme]] = {}
-"""Registered schemes by name; the order is :data:`~dynmo_hpc.config.schemes.SCHEME_SECTIONS`'s."""
+"""Registered schemes by name, in the order of
+:data:`~dynmo_hpc.config.scheme_sections.SCHEME_SECTIONS`."""
 
 
 def register(scheme: type[Scheme]) -> type[Scheme]:

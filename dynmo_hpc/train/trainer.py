@@ -7,14 +7,14 @@ same order on every rank:
 
 1. the stage runs its replica's share of the step's microbatches (point-to-point with its
    pipeline neighbours only), then sums its gradients with the other replicas' copies of the
-   stage (:mod:`.grad_sync`, over the data communicator);
+   stage (:mod:`dynmo_hpc.pipeline.grad_sync`, over the data communicator);
 2. ``Allreduce`` of per-layer squared gradient norms over the replica's pipeline (global-norm
    clipping, each layer counted once);
 3. optimizer step;
 4. ``gather`` of the step's losses and stage times to rank 0 (progress, run log);
 5. every ``balance.interval`` steps, a load report (per-layer costs and bytes) to rank 0, whose
    balancing decision is broadcast; if it enacts a new partition, layers migrate
-   (:mod:`dynmo_hpc.pipeline.migration`) before the next step (:mod:`.load_report`). Both count
+   (:mod:`dynmo_hpc.pipeline.migration.move`) before the next step (:mod:`.load_report`). Both count
    in the step's logged time: the pipeline waits for them.
 """
 
@@ -34,29 +34,30 @@ from mpi4py import MPI
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
+from dynmo_hpc.checkpoint import resume
+from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint.lineage import Key
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import size_change, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
-from dynmo_hpc.pipeline import checkpoint, resume
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
-from dynmo_hpc.pipeline.data import TextDataset
 from dynmo_hpc.pipeline.device import pick_device
-from dynmo_hpc.pipeline.elastic import PackController
-from dynmo_hpc.pipeline.fault_injection import make_injector
 from dynmo_hpc.pipeline.grad_sync import GradReducer, check_replicas_agree
 from dynmo_hpc.pipeline.groups import make_groups
-from dynmo_hpc.pipeline.lifecycle import PhaseTracker, StopRequest, TrainResult, count_nodes
-from dynmo_hpc.pipeline.lineage import Key
-from dynmo_hpc.pipeline.load_report import LoadReporter, ReportState
-from dynmo_hpc.pipeline.migration import measure_bandwidth
-from dynmo_hpc.pipeline.rank0_log import Rank0Log
-from dynmo_hpc.pipeline.run_state import run_state as build_run_state
+from dynmo_hpc.pipeline.migration.move import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 from dynmo_hpc.report_cycle import is_report_step
+from dynmo_hpc.testing.fault_injection import make_injector
+from dynmo_hpc.train.lifecycle import PhaseTracker, StopRequest, TrainResult, count_nodes
+from dynmo_hpc.train.load_report import LoadReporter, ReportState
+from dynmo_hpc.train.pack_inputs import PackController
+from dynmo_hpc.train.rank0_log import Rank0Log
+from dynmo_hpc.train.run_state import run_state as build_run_state
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,13 @@ class Trainer:
     """One rank's training run, built from collaborators with explicit inputs.
 
     - the stage (:class:`~dynmo_hpc.pipeline.stage.PipelineStage`) runs the schedule;
-    - the load reporter (:class:`~dynmo_hpc.pipeline.load_report.LoadReporter`) owns the
+    - the load reporter (:class:`~dynmo_hpc.train.load_report.LoadReporter`) owns the
       partition, the smoothed costs and the balancing and packing decisions;
     - the phase tracker and the fault injector (null unless a test configured one) mark the
       named phases;
-    - the pack controller (:class:`~dynmo_hpc.pipeline.elastic.PackController`) and the
-      checkpoint writer (:mod:`.resume`) serve the elastic and restart paths;
-    - rank 0's run log (:class:`~dynmo_hpc.pipeline.rank0_log.Rank0Log`) writes what the
+    - the pack controller (:class:`~dynmo_hpc.train.pack_inputs.PackController`) and the
+      checkpoint writer (:mod:`dynmo_hpc.checkpoint.resume`) serve the elastic and restart paths;
+    - rank 0's run log (:class:`~dynmo_hpc.train.rank0_log.Rank0Log`) writes what the
       launch and each step did.
 
     The trainer itself runs the step loop and decides when each of them acts.

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from dynmo_hpc.calibrate.cost_fit import Sample
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.model.gpt import (
     MLP,
@@ -44,7 +45,6 @@ from dynmo_hpc.model.schemes.early_exit import active_forward
 from dynmo_hpc.model.schemes.mod import DepthRouter, routed_forward, tokens_processed
 from dynmo_hpc.model.schemes.pruning import shrink_attention, shrink_mlp
 from dynmo_hpc.model.schemes.sparse_attention import blocks_kept_per_row
-from dynmo_hpc.sim.cost_fit import Sample
 from dynmo_hpc.sim.cost_model import LayerShape, SchemeState
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from dynmo_hpc.balance.packing import PackPlan, PackRequest, microbatches_in_flight, plan_pack
-from dynmo_hpc.balance.restart import estimated_restart_s
+from dynmo_hpc.balance.restart_overhead import estimated_restart_s
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.pipeline import capacity
 from dynmo_hpc.pipeline.costs import LoadReport
 from dynmo_hpc.placement import ranks_per_node
+from dynmo_hpc.train import capacity
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def stage_capacity_bytes(cfg: JobConfig, device: torch.device, ranks_on_host: in
     """What one stage may hold: ``balance.capacity_bytes``; on a GPU its free memory plus this
     stage's own reserve, less a headroom; on a CPU the smallest of the RAM, ``--mem``
     (``SLURM_MEM_PER_NODE``) and the cgroup limit, shared by the ranks on the host
-    (:mod:`dynmo_hpc.pipeline.capacity`)."""
+    (:mod:`dynmo_hpc.train.capacity`)."""
     if cfg.balance.capacity_bytes is not None:
         return float(cfg.balance.capacity_bytes)
     if device.type == "cuda":

@@ -1,7 +1,7 @@
 """The training text as bytes, and the checks it must pass: shared by the ranks and preflight.
 
 Why one module for both: :mod:`dynmo_hpc.launch.preflight` refuses a bad ``data.path`` before
-any rank starts, and :mod:`dynmo_hpc.pipeline.data` meets the same file on every rank (a file can
+any rank starts, and :mod:`dynmo_hpc.data.batches` meets the same file on every rank (a file can
 change between submit and start). Both call these functions, so they refuse the same files with
 the same messages. Pure Python: no torch or numpy, so preflight stays cheap to import.
 

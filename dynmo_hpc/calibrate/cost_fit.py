@@ -4,7 +4,7 @@ Why: :mod:`dynmo_hpc.sim.cost_model` gives each layer's FLOPs, bytes, indexed by
 bytes and ops of each kind per pass; what a pass costs in seconds on a machine is those times
 the machine's :class:`~dynmo_hpc.sim.machine.LayerRates`. The rates are not datasheet figures
 on a CPU running small layers (dispatch and caches matter as much as peak FLOP/s), so they are
-fitted on real measurements (:mod:`dynmo_hpc.sim.cost_measure`) and then validated on a width
+fitted on real measurements (:mod:`dynmo_hpc.calibrate.cost_measure`) and then validated on a width
 left out of the fit: the check that the model carries to shapes it was not fitted on.
 
 The fit: a pass's time is linear in eleven unknowns, ``t = F_fwd a_f + F_bwd a_b + bytes b +

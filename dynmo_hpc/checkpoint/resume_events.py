@@ -10,16 +10,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dynmo_hpc.checkpoint import resume
+from dynmo_hpc.checkpoint import store as checkpoint
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.config.resume_rules import KeyRule
-from dynmo_hpc.pipeline import checkpoint, resume
 
 log = logging.getLogger(__name__)
 
 
 def log_skipped_checkpoints(writer: Any, chosen: Path, step: int) -> None:
     """Warn (log and run log) about newer checkpoints of the lineage that were damaged or
-    incomplete (:func:`~dynmo_hpc.pipeline.checkpoint.skipped_before`)."""
+    incomplete (:func:`~dynmo_hpc.checkpoint.store.skipped_before`)."""
     for candidate in checkpoint.skipped_before(chosen):
         if candidate.problem is not None:
             log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)

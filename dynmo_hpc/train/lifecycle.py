@@ -1,6 +1,6 @@
 """What frames a rank's training run: its result, stop signals, phase watchdog, node count.
 
-Kept apart from the step loop (:mod:`dynmo_hpc.pipeline.trainer`) so each piece reads alone.
+Kept apart from the step loop (:mod:`dynmo_hpc.train.trainer`) so each piece reads alone.
 """
 
 from __future__ import annotations

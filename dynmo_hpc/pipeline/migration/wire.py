@@ -23,7 +23,7 @@ again while the sender waits). Here they overlap:
 - Nothing is copied to serialise: the sender's chunks are views of the tensors' own memory (a
   layer's storages live in one huge-page arena, see :mod:`.host_memory`); the receiver receives
   into one arena per transfer, recycled from a layer it gave away when it can, whose slices
-  become the rebuilt tensors' storages (see :mod:`.migration` and :func:`_receive_buffers`).
+  become the rebuilt tensors' storages (see :mod:`.move` and :func:`_receive_buffers`).
 - Waits yield the core for a moment before they sleep
   (:class:`~dynmo_hpc.pipeline.comm.Backoff`): a sleep ends late, and a migration is a chain of
   short waits. A sender whose sends are still being copied sleeps at once, leaving the cores
@@ -57,7 +57,7 @@ import xxhash
 from mpi4py import MPI
 
 from dynmo_hpc.pipeline.comm import MIGRATION_YIELD_S, Backoff, fine_timer_slack
-from dynmo_hpc.pipeline.host_memory import POOL, aligned_offsets
+from dynmo_hpc.pipeline.migration.host_memory import POOL, aligned_offsets
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a checkpoint's ``run_state.json`` holds: the run's state after a step (rank 0).
 
 A pure function of the trainer's parts, so the record is built in one place; what each field
-means for a resume: :mod:`dynmo_hpc.pipeline.resume`.
+means for a resume: :mod:`dynmo_hpc.checkpoint.resume`.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dynmo_hpc.checkpoint import resume
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.model.optim import lr_at
-from dynmo_hpc.pipeline import resume
-from dynmo_hpc.pipeline.lifecycle import TrainResult
-from dynmo_hpc.pipeline.load_report import ReportState
+from dynmo_hpc.train.lifecycle import TrainResult
+from dynmo_hpc.train.load_report import ReportState
 
 
 def run_state(

@@ -8,7 +8,7 @@ holds because everything the math depends on is either in the checkpoint or a pu
 - per global layer: weights, AdamW state (moments, step count) and every scheme's state, which
   lives in the layer's state dict (pruned shapes, routers, frozen flags, densities, exit heads);
 - the step count, which fixes the data position (batches are a pure function of
-  ``(seed, step, microbatch)``, :mod:`dynmo_hpc.pipeline.data`) and the LR schedule position;
+  ``(seed, step, microbatch)``, :mod:`dynmo_hpc.data.batches`) and the LR schedule position;
 - the random streams: weights are initialised from ``(seed, layer)`` and batches from
   ``(seed, step, microbatch)``; training draws from no stateful generator, so the seed is the
   whole RNG state and is part of the run's identity;
@@ -36,6 +36,8 @@ from mpi4py import MPI
 
 from dynmo_hpc.balance import partition, uniform
 from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
+from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint.lineage import Key
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.config.resume_rules import (
     KeyRule,
@@ -48,8 +50,6 @@ from dynmo_hpc.config.resume_rules import (
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.optim import apply_hyperparameters
 from dynmo_hpc.model.schemes import restore_layer
-from dynmo_hpc.pipeline import checkpoint
-from dynmo_hpc.pipeline.lineage import Key
 from dynmo_hpc.pipeline.stage import LayerSlot, PipelineStage
 
 log = logging.getLogger(__name__)

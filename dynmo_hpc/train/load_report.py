@@ -4,7 +4,7 @@ Why its own module: it is the one collective of the step loop that can change wh
 with its rank-0 bookkeeping (run log, cost smoothing, the balancing and packing decisions, the
 bandwidth the decision rule learns). :class:`LoadReporter` owns that state (the partition in
 force, the smoothed costs, the report count, the learnt bandwidth, a pending pack) and is given
-everything else it uses when it is built; :class:`dynmo_hpc.pipeline.trainer.Trainer` calls
+everything else it uses when it is built; :class:`dynmo_hpc.train.trainer.Trainer` calls
 :meth:`LoadReporter.report` after each report step and reads the state for its checkpoints.
 """
 
@@ -21,7 +21,6 @@ from mpi4py import MPI
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.pipeline.ab import ABSwitch
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
     IntervalAccumulator,
@@ -30,12 +29,13 @@ from dynmo_hpc.pipeline.costs import (
     assemble_load_report,
 )
 from dynmo_hpc.pipeline.device import peak_memory_bytes
-from dynmo_hpc.pipeline.elastic import PackController, pack_result_event
-from dynmo_hpc.pipeline.fault_injection import FaultInjector
-from dynmo_hpc.pipeline.lifecycle import PhaseTracker, TrainResult
-from dynmo_hpc.pipeline.migration import MigrationError, MigrationStats, migrate
-from dynmo_hpc.pipeline.rebalance import decide
+from dynmo_hpc.pipeline.migration.move import MigrationError, MigrationStats, migrate
 from dynmo_hpc.pipeline.stage import PipelineStage
+from dynmo_hpc.testing.fault_injection import FaultInjector
+from dynmo_hpc.train.ab_arms import ABSwitch
+from dynmo_hpc.train.lifecycle import PhaseTracker, TrainResult
+from dynmo_hpc.train.pack_inputs import PackController, pack_result_event
+from dynmo_hpc.train.rebalance import decide
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class LoadReporter:
     def report(self, step: int) -> None:
         """Gather per-layer costs and bytes to rank 0, record them, balance, maybe migrate.
 
-        Runs inside the step it reports on (:meth:`dynmo_hpc.pipeline.trainer.Trainer.step`),
+        Runs inside the step it reports on (:meth:`dynmo_hpc.train.trainer.Trainer.step`),
         so that step's time includes it; rank 0 flushes the run log once the step's row is
         written."""
         forward_s, backward_s = self.accumulator.mean_per_step()

@@ -51,8 +51,8 @@ from torch import nn
 from dynmo_hpc.balance import Move, plan_moves
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.pipeline.comm import wait_quietly
-from dynmo_hpc.pipeline.host_memory import LARGE_STORAGE_BYTES, POOL, layer_tensors
-from dynmo_hpc.pipeline.wire import (
+from dynmo_hpc.pipeline.migration.host_memory import LARGE_STORAGE_BYTES, POOL, layer_tensors
+from dynmo_hpc.pipeline.migration.wire import (
     CHUNK_BYTES,
     Incoming,
     Outgoing,
@@ -352,7 +352,7 @@ def migrate(
     what it receives) and its cores, which is why the decision rule prices a rank's bytes sent
     plus received. Tags: move
     ``i`` of the plan uses ``2i`` and ``2i + 1``, checked against the MPI tag limit. ``on_chunk``
-    is for fault-injection tests (see :func:`dynmo_hpc.pipeline.wire.exchange`).
+    is for fault-injection tests (see :func:`dynmo_hpc.pipeline.migration.wire.exchange`).
     """
     # No cyclic garbage collection in the middle of a move: unpickling a layer allocates enough
     # objects to trigger one (seen in a profile of back-to-back migrations while developing).

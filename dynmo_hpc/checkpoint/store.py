@@ -37,16 +37,14 @@ from typing import Any
 import torch
 
 from dynmo_hpc.atomic_io import atomic_write_bytes, atomic_write_text, fsync_dir
-from dynmo_hpc.errors import CheckpointError
-from dynmo_hpc.model.schemes import take_counters
-from dynmo_hpc.pipeline import lineage
-from dynmo_hpc.pipeline.lineage import Entry, Key, entries, lineage_entries
-from dynmo_hpc.pipeline.lineage import enter as enter
-from dynmo_hpc.pipeline.lineage import key_of as key_of
-from dynmo_hpc.pipeline.manifest import FORMAT_VERSION as FORMAT_VERSION
-from dynmo_hpc.pipeline.manifest import LATEST as LATEST
-from dynmo_hpc.pipeline.manifest import MANIFEST as MANIFEST
-from dynmo_hpc.pipeline.manifest import (
+from dynmo_hpc.checkpoint import lineage
+from dynmo_hpc.checkpoint.lineage import Entry, Key, entries, lineage_entries
+from dynmo_hpc.checkpoint.lineage import enter as enter
+from dynmo_hpc.checkpoint.lineage import key_of as key_of
+from dynmo_hpc.checkpoint.manifest import FORMAT_VERSION as FORMAT_VERSION
+from dynmo_hpc.checkpoint.manifest import LATEST as LATEST
+from dynmo_hpc.checkpoint.manifest import MANIFEST as MANIFEST
+from dynmo_hpc.checkpoint.manifest import (
     MANIFEST_FORMAT,
     check_entry,
     is_int,
@@ -55,10 +53,12 @@ from dynmo_hpc.pipeline.manifest import (
     read_json,
     verify,
 )
-from dynmo_hpc.pipeline.manifest import RUN_STATE as RUN_STATE
-from dynmo_hpc.pipeline.manifest import manifest_files as manifest_files
-from dynmo_hpc.pipeline.manifest import quick_problem as quick_problem
-from dynmo_hpc.pipeline.manifest import step_of as _step_of
+from dynmo_hpc.checkpoint.manifest import RUN_STATE as RUN_STATE
+from dynmo_hpc.checkpoint.manifest import manifest_files as manifest_files
+from dynmo_hpc.checkpoint.manifest import quick_problem as quick_problem
+from dynmo_hpc.checkpoint.manifest import step_of as _step_of
+from dynmo_hpc.errors import CheckpointError
+from dynmo_hpc.model.schemes import take_counters
 
 log = logging.getLogger(__name__)
 

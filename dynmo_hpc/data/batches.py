@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dynmo_hpc.config import DataSection
-from dynmo_hpc.pipeline.corpus import default_corpus_text, read_corpus, split_sizes
+from dynmo_hpc.data.corpus import default_corpus_text, read_corpus, split_sizes
 
 __all__ = ["TextDataset", "default_corpus_text", "load_corpus_bytes"]
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text, fsync_dir
-from dynmo_hpc.pipeline.manifest import LATEST, load_manifest, sizes_problem, step_of, verify
+from dynmo_hpc.checkpoint.manifest import LATEST, load_manifest, sizes_problem, step_of, verify
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.optim import (
     build_optimizer,
@@ -25,7 +26,6 @@ from dynmo_hpc.model.optim import (
     squared_grad_norm,
 )
 from dynmo_hpc.model.schemes import SchemeController, build_layer
-from dynmo_hpc.pipeline.data import TextDataset
 
 
 @dataclass

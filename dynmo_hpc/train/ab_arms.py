@@ -15,7 +15,7 @@ Invariants:
 - the switch happens at the load report of a block's last step (``k`` is a multiple of
   ``balance.interval``), so that step's time holds the migration.
 
-Pure: no MPI; :class:`dynmo_hpc.pipeline.load_report.LoadReporter` calls it on rank 0.
+Pure: no MPI; :class:`dynmo_hpc.train.load_report.LoadReporter` calls it on rank 0.
 """
 
 from __future__ import annotations

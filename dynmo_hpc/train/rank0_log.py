@@ -1,11 +1,11 @@
 """Rank 0's run log for one launch of the trainer: what it writes, and its log lines.
 
-Why apart from the step loop (:mod:`dynmo_hpc.pipeline.trainer`): only rank 0 writes the run
+Why apart from the step loop (:mod:`dynmo_hpc.train.trainer`): only rank 0 writes the run
 log, and what it writes (how the launch started, each step's row, checkpoints, a preemption,
 the error that ends a run) decides nothing any rank acts on. The trainer says *when*; this
 module says *what*. Other ranks hold no :class:`Rank0Log`.
 
-Invariant: the :class:`~dynmo_hpc.pipeline.lifecycle.TrainResult` given to :class:`Rank0Log`
+Invariant: the :class:`~dynmo_hpc.train.lifecycle.TrainResult` given to :class:`Rank0Log`
 is the trainer's own (the same object), so each step's row and the result agree.
 """
 
@@ -20,16 +20,16 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from dynmo_hpc.checkpoint import resume_events as restart_events
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases
 from dynmo_hpc.handoff.signal_budget import measured_budget
-from dynmo_hpc.pipeline import restart_events
-from dynmo_hpc.pipeline.ab import ab_arm, wall_s_per_cpu_s
-from dynmo_hpc.pipeline.elastic import PackController, resize_event
 from dynmo_hpc.pipeline.grad_sync import log_overlap
-from dynmo_hpc.pipeline.lifecycle import TrainResult, log_failures, log_progress
 from dynmo_hpc.runlog.trajectory import SCHEME_STATS, job_layer_states
+from dynmo_hpc.train.ab_arms import ab_arm, wall_s_per_cpu_s
+from dynmo_hpc.train.lifecycle import TrainResult, log_failures, log_progress
+from dynmo_hpc.train.pack_inputs import PackController, resize_event
 
 log = logging.getLogger(__name__)
 

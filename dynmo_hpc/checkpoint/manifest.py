@@ -6,7 +6,7 @@ every file matches it. Two levels of checking, so a restart's search stays cheap
 - :func:`quick_problem`: the manifest is valid and every file it lists is there at its size
   (reads the manifest only, ``stat`` for the rest). Used to order and pick candidates.
 - :func:`verify`: that, plus each file read and checked against its CRC-32. Run once, for the
-  checkpoint about to be used (:func:`dynmo_hpc.pipeline.checkpoint.resolve`); the ranks check
+  checkpoint about to be used (:func:`dynmo_hpc.checkpoint.store.resolve`); the ranks check
   each layer file's CRC-32 on the bytes they load (:func:`check_entry`), never reading it twice.
 
 Torch-free, so launchers can choose a checkpoint without importing torch.
