@@ -136,3 +136,16 @@ def test_bench_runs_it(toy: None, monkeypatch: pytest.MonkeyPatch) -> None:
         "balance.algorithm=static",
         "pipeline.partition=[0, 1, 2, 6]",
     ]
+
+
+def test_the_default_algorithm_lists_come_from_the_registry(toy: None) -> None:
+    """``dynmo-hpc bench`` asks the registry for its default algorithms: a newly registered one
+    is in it; one marked ``benched=False`` is left out."""
+    from dynmo_hpc.balance.registry import bench_algorithms
+    from dynmo_hpc.cli import build_parser
+
+    assert TOY in bench_algorithms() and "megatron" not in bench_algorithms()
+    bench = build_parser().parse_args(["bench"])
+    assert bench.algorithms == list(bench_algorithms())
+    ALGORITHMS[TOY] = Algorithm(function=front_loaded, label="toy", benched=False)
+    assert TOY not in bench_algorithms()

@@ -102,6 +102,10 @@ class Algorithm:
     check_settings: Callable[[Mapping[str, Any]], None] = _no_check
     """Validates the job's ``balance`` section (as a mapping of its fields) for this algorithm;
     raises ValueError saying what was expected, what was found, and a HINT."""
+    benched: bool = True
+    """Whether ``dynmo-hpc bench`` runs it when ``--algorithms`` is not given (False for a
+    baseline that places the shipped scheme jobs' layers exactly as another one does, so its
+    runs would repeat that one's)."""
 
 
 def _optimal_options(state: BalanceState) -> dict[str, Any]:
@@ -143,7 +147,10 @@ ALGORITHMS: dict[str, Algorithm] = {
         function=uniform, label="static uniform (equal layer counts)", rebalances=False
     ),
     "megatron": Algorithm(
-        function=megatron, label="static Megatron-LM (even blocks)", rebalances=False
+        function=megatron,
+        label="static Megatron-LM (even blocks)",
+        rebalances=False,
+        benched=False,  # the scheme jobs' blocks divide evenly: the same split as uniform
     ),
     "parameters": Algorithm(
         function=parameters,
@@ -183,6 +190,11 @@ def static_baselines() -> tuple[str, ...]:
 def rebalancing() -> tuple[str, ...]:
     """Algorithms re-run at every load report, in table order."""
     return tuple(name for name, entry in ALGORITHMS.items() if entry.rebalances)
+
+
+def bench_algorithms() -> tuple[str, ...]:
+    """What ``dynmo-hpc bench`` runs by default, in table order (:attr:`Algorithm.benched`)."""
+    return tuple(name for name, entry in ALGORITHMS.items() if entry.benched)
 
 
 def algorithm_options(algorithm: str) -> list[str]:

@@ -15,12 +15,12 @@ and ``F_bwd`` are the matmul FLOPs outside attention, ``F_fwd`` 0 in a backward 
 ``a_att = 1 / attention_flops_per_s``, ``w = 1 / weight_bytes_per_s``; ``o_k`` the per-op
 overhead of each op kind: ``op_overhead_s`` for the ``other`` kind, ``matmul_op_overhead_s``,
 ``index_op_overhead_s``, ``lookup_op_overhead_s``; ``c = overhead_s``). Least squares on
-*relative* error (each row divided by its measured time), so a 0.1 ms embedding weighs as much
-as a 20 ms block; all unknowns >= 0 (an exact non-negative least squares: the best
-unconstrained fit over every subset of the unknowns, keeping the best whose values are all
->= 0; eleven unknowns, 2048 small solves, well under a second). An unknown whose column is 0
-in every row (no measured layer gathers anything) is left out and its rate left unset; a
-fitted 0 leaves an optional rate unset and an op kind's overhead at 0.
+*relative* error (each row divided by its measured time), so a layer a hundred times cheaper
+than a block weighs as much as the block; all unknowns >= 0 (an exact non-negative least
+squares: the best unconstrained fit over every subset of the unknowns, keeping the best whose
+values are all >= 0; eleven unknowns, 2048 small solves). An unknown whose column is 0 in every
+row (no measured layer gathers anything) is left out and its rate left unset; a fitted 0 leaves
+an optional rate unset and an op kind's overhead at 0.
 Pure: numpy on the samples' numbers.
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.balance.registry import lookup
+from dynmo_hpc.balance.registry import bench_algorithms, lookup
 from dynmo_hpc.bench.ab import NOISE_FACTOR, mark_steps, phase_ceiling, run_ceilings
 from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order, static_split
 from dynmo_hpc.bench.measure import RunFigures, run_figures
@@ -68,9 +68,6 @@ BENCH_SETS = [
 training and balancing, not I/O)."""
 
 
-DEFAULT_ALGORITHMS = ("uniform", "parameters", "optimal", "diffusion")
-"""The bench's algorithms unless ``--algorithms`` says otherwise: the two static baselines
-(``megatron`` places these jobs' layers exactly as ``uniform`` does) and DynMo's balancers."""
 DEFAULT_REPEATS = {"ab": 1, "whole": 5}
 """``--repeats`` unless given: one A/B run per pair (both arms share its minutes), five whole
 runs per algorithm (whole runs compare different minutes of the machine, so they need
@@ -107,9 +104,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--policies",  # the old name, still accepted
         dest="algorithms",
         type=_names(list(ALGORITHMS)),
-        default=list(DEFAULT_ALGORITHMS),
+        default=list(bench_algorithms()),
         help=f"comma-separated, from {','.join(ALGORITHMS)} (default: "
-        f"{','.join(DEFAULT_ALGORITHMS)}; --ab runs every balancer against every static split)",
+        f"{','.join(bench_algorithms())}; --ab runs every balancer against every static split)",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="train.steps for every run (default: the job's)"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.cli.errors import error_line
 from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.sim.cost_model import layer_shapes
@@ -29,8 +30,6 @@ from dynmo_hpc.sim.scale import MAPPINGS, StageResult, scale_reports, simulate_s
 from dynmo_hpc.sim.step import transfer_time_s
 
 HINT = "see dynmo-hpc simulate --help (docs/simulate.md, 'At scale')"
-SCALE_ALGORITHMS = ("megatron", "parameters", "uniform", "optimal", "diffusion")
-"""What ``--model`` replays by default (no packing: the stage count is the question)."""
 DEFAULT_BANDWIDTH_BYTES_PER_S = 100e9 / 8
 BYTES_PER_ACTIVATION = 4
 
@@ -126,7 +125,7 @@ def scale_results(args: argparse.Namespace) -> tuple[dict[str, Any], list[StageR
     comm_s = transfer_time_s(machine.latency_s or 0.0, bandwidth, float(activation))
     interval = args.interval or settings["interval"]
     steady = settings["steady"] if args.steady_from is None else args.steady_from
-    algorithms = list(args.algorithms or SCALE_ALGORITHMS)
+    algorithms = list(args.algorithms or ALGORITHMS)  # every algorithm; no packing at scale
     results = []
     for stages in args.stages or [cfg.pipeline.num_stages]:
         if stages > cfg.model.num_layers:
