@@ -79,20 +79,20 @@ def _median_ms(fn: Callable[[], Any], flush: Callable[[], Any] | None, repeats: 
 
 
 def _python_row(d_model: int, flush: Callable[[], Any] | None) -> str:
-    from dynmo_hpc.pipeline.migration.move import move as migration
+    from dynmo_hpc.pipeline.migration import move
 
     stage = _stage(d_model)
     slot = stage.slots[1]
-    packed = migration.pack_layer(slot)
+    packed = move.pack_layer(slot)
     storages = [b.untyped_storage() for b in packed.buffers]
     meta = packed.meta()
 
     def unpack() -> Any:
-        return migration.unpack_layer(stage, meta, storages, slot.index)
+        return move.unpack_layer(stage, meta, storages, slot.index)
 
     return (
         f"{d_model:>8}{'cold' if flush else 'warm':>7}"
-        f"{_median_ms(lambda: migration.pack_layer(slot), flush):>9.2f}"
+        f"{_median_ms(lambda: move.pack_layer(slot), flush):>9.2f}"
         f"{_median_ms(packed.meta, flush):>11.2f}{_median_ms(unpack, flush):>11.2f}"
     )
 
@@ -153,12 +153,11 @@ def _wire_row(comm: Any, d_model: int, reps: int) -> dict[str, float]:
     import numpy as np
     from mpi4py import MPI
 
+    from dynmo_hpc.pipeline.migration import move, wire
     from dynmo_hpc.pipeline.migration.host_memory import POOL
-    from dynmo_hpc.pipeline.migration.move import move as migration
-    from dynmo_hpc.pipeline.migration.move import wire
 
     real_digest = wire.digest
-    buffers = migration.pack_layer(_stage(d_model).slots[1]).buffers
+    buffers = move.pack_layer(_stage(d_model).slots[1]).buffers
     total = sum(int(b.numel()) for b in buffers)
     big = np.ones(total, dtype=np.uint8)
     used = np.ones(total, dtype=np.uint8)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.errors import CheckpointError, LaunchError
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.rundir import claim_run_dir
@@ -84,13 +84,11 @@ def _layer_file(step_dir: Path) -> Path:
 @pytest.mark.mpi
 def test_the_stopped_run_left_three_complete_checkpoints(stopped):
     root = stopped / "checkpoint"
-    assert [c.step for c in checkpoint.scan(root)] == [5, 4, 2]
-    assert all(c.problem is None for c in checkpoint.scan(root))
+    assert [c.step for c in store.scan(root)] == [5, 4, 2]
+    assert all(c.problem is None for c in store.scan(root))
     assert (root / "latest").read_text().strip() == "step_5"
     manifest = json.loads((root / "step_5" / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"run_state.json"} | {
-        checkpoint.layer_name(i) for i in range(6)
-    }
+    assert set(manifest["files"]) == {"run_state.json"} | {store.layer_name(i) for i in range(6)}
 
 
 @pytest.mark.mpi
@@ -116,13 +114,13 @@ def test_a_damaged_newest_checkpoint_is_detected_and_skipped(stopped, damage, pr
         (newest / "manifest.json").unlink()
     else:
         target.unlink()
-    found = checkpoint.verify(newest)
+    found = store.verify(newest)
     assert found is not None and re.search(problem, found), found
-    chosen, skipped = checkpoint.resolve(stopped)
+    chosen, skipped = store.resolve(stopped)
     assert chosen.step == 4
     assert [c.step for c in skipped] == [5] and skipped[0].problem == found
     with pytest.raises(CheckpointError, match="cannot be resumed from"):
-        checkpoint.resolve(newest)  # named explicitly: refused, with a hint
+        store.resolve(newest)  # named explicitly: refused, with a hint
 
 
 @pytest.mark.mpi
@@ -130,7 +128,7 @@ def test_nothing_intact_is_a_clear_error(stopped):
     for step_dir in (stopped / "checkpoint").glob("step_*"):
         (step_dir / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"no intact checkpoint .*HINT"):
-        checkpoint.resolve(stopped)
+        store.resolve(stopped)
 
 
 @pytest.mark.slow
@@ -206,11 +204,11 @@ def test_prune_keeps_the_newest_complete_and_drops_stale_incomplete(tmp_path):
     root = tmp_path / "checkpoint"
     for step in (1, 2, 3, 4):
         (root / f"step_{step}").mkdir(parents=True)
-        entry = checkpoint.write_run_state(root / f"step_{step}", {"step": step})
+        entry = store.write_run_state(root / f"step_{step}", {"step": step})
         if step != 2:  # step_2 is a crash leftover: no manifest
-            checkpoint.commit(root, step, {checkpoint.RUN_STATE: entry}, keep=2)
+            store.commit(root, step, {store.RUN_STATE: entry}, keep=2)
     (root / "step_5").mkdir()  # a save in progress, newer than every complete one: kept
-    checkpoint.prune(root, keep=2)
+    store.prune(root, keep=2)
     names = ["latest", "lineage.json", "step_3", "step_4", "step_5"]  # lineage.json: the branch
     assert sorted(p.name for p in root.iterdir()) == names
     assert (root / "latest").read_text().strip() == "step_4"
@@ -229,7 +227,7 @@ def test_time_based_checkpoints(tmp_path):
     )
     rc, run_dir = launch_local(cfg, timeout_s=240)
     assert rc == 0
-    steps = [c.step for c in checkpoint.scan(run_dir / "checkpoint") if c.problem is None]
+    steps = [c.step for c in store.scan(run_dir / "checkpoint") if c.problem is None]
     assert steps == [2, 1]  # after steps 1 and 2; none after the last (checkpoint.at_end=false)
     events = load(run_dir / "run.h5").events
     written = events[events["kind"] == "checkpoint"]["detail"].tolist()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
 from dynmo_hpc.testing.reference import train_reference
@@ -106,8 +106,8 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _final_layers(cfg, step):
     directory = cfg.run_dir / "checkpoint" / f"step_{step}"
-    assert checkpoint.verify(directory) is None
-    return [checkpoint.load_layer(directory, i) for i in range(cfg.model.num_layers)]
+    assert store.verify(directory) is None
+    return [store.load_layer(directory, i) for i in range(cfg.model.num_layers)]
 
 
 def test_two_replicas_are_bitwise_one_and_migration_stays_invisible(out_dir):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dynmo_hpc.balance.restart_overhead import estimated_restart_s
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.handoff import resize
 from dynmo_hpc.handoff.failures import take_pending_failures
 from dynmo_hpc.handoff.oom import OUT_OF_MEMORY, is_out_of_memory, record_out_of_memory
@@ -44,8 +44,8 @@ def test_a_pack_from_four_to_two_stages_is_bitwise_invisible(tmp_path):
     assert got["losses"] == want["losses"]
     assert len(got["parts"]) == 3, f"did not end on 2 stages: {got['parts']}"
     for index in range(static.model.num_layers):
-        g = checkpoint.load_layer(packed.run_dir / "checkpoint" / "step_8", index)
-        w = checkpoint.load_layer(static.run_dir / "checkpoint" / "step_8", index)
+        g = store.load_layer(packed.run_dir / "checkpoint" / "step_8", index)
+        w = store.load_layer(static.run_dir / "checkpoint" / "step_8", index)
         assert_bitwise_equal(g["module"], w["module"], f"layer {index} weights")
         assert_bitwise_equal(g["optimizer"], w["optimizer"], f"layer {index} AdamW state")
 
@@ -253,6 +253,6 @@ def test_a_job_packs_on_its_own_measurements(tmp_path):
     assert any(k == "pack_result" for k in events["kind"])
     ranks = run.steps["num_ranks"].tolist()
     assert ranks[0] == 4 and ranks[-1] == pack["to_stages"]
-    final = checkpoint.read_run_state(cfg.run_dir / "checkpoint" / "step_150")
+    final = store.read_run_state(cfg.run_dir / "checkpoint" / "step_150")
     assert final["pack"]["original_stages"] == 4
     assert 0 < final["pack"]["correction"] <= 1

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.errors import CheckpointError, ConfigError, RunLogError
 from dynmo_hpc.isolation import IsolatedCrash, IsolatedTimeout, call_isolated
 from dynmo_hpc.runlog import RunLog, RunLogWriter, load, precheck, reader, schema
@@ -429,21 +429,21 @@ def test_damaged_checkpoint_files_are_refused_and_the_previous_one_used(
     for case, content in _damage_cases(original, rng, flips=12):
         (newest / name).write_bytes(content)
         with pytest.raises(CheckpointError, match=f"{newest}.*HINT:") as info:
-            checkpoint.resolve(newest)
+            store.resolve(newest)
         assert "\n" not in str(info.value), case
-        chosen, skipped = checkpoint.resolve(root.parent)
+        chosen, skipped = store.resolve(root.parent)
         assert chosen.path == root / "step_2", case
         assert [c.path for c in skipped] == [newest], case
     (newest / name).write_bytes(original)
-    assert checkpoint.resolve(root.parent)[0].path == newest
+    assert store.resolve(root.parent)[0].path == newest
 
 
 def _forge(directory: Path, name: str, content: bytes) -> None:
     """Write ``content`` and make the manifest agree, so only the file's own checks can object."""
     (directory / name).write_bytes(content)
-    manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
-    manifest["files"][name] = checkpoint.write_file(directory, name, content)
-    (directory / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((directory / store.MANIFEST).read_text())
+    manifest["files"][name] = store.write_file(directory, name, content)
+    (directory / store.MANIFEST).write_text(json.dumps(manifest))
 
 
 @needs_a_run
@@ -452,7 +452,7 @@ def test_manifest_with_wrong_types_or_names_is_refused(
 ) -> None:
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
-    good = json.loads((newest / checkpoint.MANIFEST).read_text())
+    good = json.loads((newest / store.MANIFEST).read_text())
     files = good["files"]
     fake = {"bytes": 1, "crc32": 1}
     bad = {
@@ -466,9 +466,9 @@ def test_manifest_with_wrong_types_or_names_is_refused(
         "format": ({**good, "format": 99}, "format 99"),
     }
     for case, (manifest, problem) in bad.items():
-        (newest / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+        (newest / store.MANIFEST).write_text(json.dumps(manifest))
         with pytest.raises(CheckpointError, match="cannot be resumed from") as info:
-            checkpoint.resolve(newest)
+            store.resolve(newest)
         assert problem in str(info.value), (case, str(info.value))
 
 
@@ -476,7 +476,7 @@ def test_manifest_with_wrong_types_or_names_is_refused(
 def test_run_state_with_wrong_types_is_refused(real_run: dict[str, Any], tmp_path: Path) -> None:
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
-    good = json.loads((newest / checkpoint.RUN_STATE).read_text())
+    good = json.loads((newest / store.RUN_STATE).read_text())
     bad = {
         "not json": b"{step: 4",
         "list": b"[1, 2]",
@@ -491,10 +491,10 @@ def test_run_state_with_wrong_types_is_refused(real_run: dict[str, Any], tmp_pat
         "deep": b"[" * 100_000,
     }
     for case, content in bad.items():
-        _forge(newest, checkpoint.RUN_STATE, content)
-        assert checkpoint.verify(newest) is None, case  # the manifest agrees: forged
+        _forge(newest, store.RUN_STATE, content)
+        assert store.verify(newest) is None, case  # the manifest agrees: forged
         with pytest.raises(CheckpointError, match=r"cannot be resumed from: run_state\.json.*HINT"):
-            checkpoint.read_run_state(newest)
+            store.read_run_state(newest)
 
 
 @needs_a_run
@@ -507,12 +507,12 @@ def test_layer_file_that_passes_its_crc_but_is_no_layer(
     with pytest.raises(
         CheckpointError, match=r"layer_0001\.pt cannot be read as a torch file.*HINT"
     ):
-        checkpoint.load_layer(newest, 1)
+        store.load_layer(newest, 1)
     other = root.parent / "other.pt"
     torch.save({"format": 1, "index": 3, "module": {}, "optimizer": {}}, other)
     _forge(newest, "layer_0001.pt", other.read_bytes())
     with pytest.raises(CheckpointError, match="is not layer 1's checkpoint payload"):
-        checkpoint.load_layer(newest, 1)
+        store.load_layer(newest, 1)
 
 
 @needs_a_run
@@ -520,7 +520,7 @@ def test_latest_pointer_damage_is_reported_and_scanning_decides(
     real_run: dict[str, Any], tmp_path: Path
 ) -> None:
     root = _copy_checkpoints(real_run, tmp_path)
-    latest = root / checkpoint.LATEST
+    latest = root / store.LATEST
     cases = {
         b"step_9\n": "names step_9, which does not exist",
         b"\xff\xfe\x00": "unreadable",
@@ -529,16 +529,16 @@ def test_latest_pointer_damage_is_reported_and_scanning_decides(
     }
     for content, problem in cases.items():
         latest.write_bytes(content)
-        chosen, skipped = checkpoint.resolve(root.parent)
+        chosen, skipped = store.resolve(root.parent)
         assert chosen.path == root / "step_4"
         assert [c.path for c in skipped] == [latest] and problem in (skipped[0].problem or "")
     latest.write_bytes(b"step_9\n")
     for step_dir in root.glob("step_*"):
-        (step_dir / checkpoint.MANIFEST).unlink()
+        (step_dir / store.MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="latest: the latest pointer names step_9"):
-        checkpoint.resolve(root.parent)
+        store.resolve(root.parent)
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint.resolve(tmp_path / "nowhere")
+        store.resolve(tmp_path / "nowhere")
 
 
 @needs_a_run
@@ -550,8 +550,8 @@ def test_resume_cli_refuses_damage_before_any_rank_starts(
     root = _copy_checkpoints(real_run, tmp_path)
     newest = root / "step_4"
     (newest / "layer_0003.pt").write_bytes((newest / "layer_0003.pt").read_bytes()[:1000])
-    (root / "step_2" / checkpoint.MANIFEST).write_bytes(b"\x00garbage")
-    (root / checkpoint.LATEST).write_bytes(b"step_9\n")
+    (root / "step_2" / store.MANIFEST).write_bytes(b"\x00garbage")
+    (root / store.LATEST).write_bytes(b"step_9\n")
     t0 = time.monotonic()
     last = _assert_clean_failure(_cli("run", job, *out, "--resume", str(newest)))
     assert "layer_0003.pt has 1000 bytes" in last

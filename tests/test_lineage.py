@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from dynmo_hpc.checkpoint import lineage, resume
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import lineage, resume, store
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.launch.supervisor import newest_checkpoint
 from dynmo_hpc.runlog import load
@@ -30,16 +29,16 @@ NUM_LAYERS = 3
 
 def _fake(root: Path, step: int, *, keep: int = 2, parent: Path | None = None) -> Path:
     """A complete checkpoint with made-up layer files (enough for every check but torch.load)."""
-    directory = checkpoint.step_dir(root, step)
+    directory = store.step_dir(root, step)
     files = {
-        checkpoint.layer_name(i): checkpoint.write_file(
-            directory, checkpoint.layer_name(i), f"layer {i} at step {step}".encode() * 50
+        store.layer_name(i): store.write_file(
+            directory, store.layer_name(i), f"layer {i} at step {step}".encode() * 50
         )
         for i in range(NUM_LAYERS)
     }
-    files[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, {"step": step})
-    key = checkpoint.key_of(root, parent) if parent is not None else None
-    return checkpoint.commit(root, step, files, keep, key)
+    files[store.RUN_STATE] = store.write_run_state(directory, {"step": step})
+    key = store.key_of(root, parent) if parent is not None else None
+    return store.commit(root, step, files, keep, key)
 
 
 def _record(directory: Path) -> dict[str, Any]:
@@ -54,8 +53,8 @@ def _names(root: Path) -> list[str]:
 
 def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_restarts_stay_on_it(tmp_path):
     run_dir = tmp_path / "run"
-    root = checkpoint.checkpoint_root(run_dir)
-    assert checkpoint.enter(root, None, restart=False) is None
+    root = store.checkpoint_root(run_dir)
+    assert store.enter(root, None, restart=False) is None
     assert not root.exists()  # a fresh start writes nothing; the first save makes the branch
     s2 = _fake(root, 2)
     first = lineage.read_head(root)
@@ -65,11 +64,11 @@ def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_restarts_stay_on_
     assert _names(root) == ["step_4", "step_6"]  # keep=2
 
     # resume from step_4: a new branch; the old step_6 is moved aside, latest names step_4
-    second = checkpoint.enter(root, s4, restart=False)
+    second = store.enter(root, s4, restart=False)
     assert second.branch != first.branch and second.start == lineage.Key(first.branch, 4, "step_4")
     assert _names(root) == ["step_4"]
     aside = root / "abandoned" / first.branch / "step_6"
-    assert checkpoint.verify(aside) is None and _record(aside)["branch"] == first.branch
+    assert store.verify(aside) is None and _record(aside)["branch"] == first.branch
     assert (root / "latest").read_text().strip() == "step_4"
     assert newest_checkpoint(run_dir) == s4  # a crash before step_5: restart from step_4
 
@@ -84,23 +83,23 @@ def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_restarts_stay_on_
     assert record["start"] == record["parent"]
 
     # a restart from step_5 continues the branch; its step_6 is not the abandoned one
-    assert checkpoint.enter(root, s5, restart=False) == second
+    assert store.enter(root, s5, restart=False) == second
     s6 = _fake(root, 6, parent=s5)
     assert _names(root) == ["step_5", "step_6"]  # step_4 pruned only now: 2 newer are complete
-    assert _record(s6)["branch"] == second.branch and checkpoint.resolve(run_dir)[0].path == s6
-    assert checkpoint.verify(aside) is None  # never pruned
+    assert _record(s6)["branch"] == second.branch and store.resolve(run_dir)[0].path == s6
+    assert store.verify(aside) is None  # never pruned
 
 
 def test_the_abandoned_branch_is_never_chosen_even_when_it_is_newer(tmp_path):
     """Even left at the top level (a directory copied back by hand), another branch's newer
     checkpoint is not in the lineage: the search passes over it."""
     run_dir = tmp_path / "run"
-    root = checkpoint.checkpoint_root(run_dir)
+    root = store.checkpoint_root(run_dir)
     s4 = _fake(root, 4)
     old = lineage.read_head(root)
     assert old is not None
     _fake(root, 6, parent=s4)
-    checkpoint.enter(root, s4, restart=False)
+    store.enter(root, s4, restart=False)
     (root / "abandoned" / old.branch / "step_6").rename(root / "step_6")
     assert newest_checkpoint(run_dir) == s4
     s5 = _fake(root, 5, parent=s4, keep=1)
@@ -111,17 +110,17 @@ def test_the_abandoned_branch_is_never_chosen_even_when_it_is_newer(tmp_path):
 def test_damaged_newer_checkpoints_do_not_fork_the_branch(tmp_path):
     """A resume from step_4 because step_6 fails its checksum continues the branch."""
     run_dir = tmp_path / "run"
-    root = checkpoint.checkpoint_root(run_dir)
+    root = store.checkpoint_root(run_dir)
     s4 = _fake(root, 4)
     head = lineage.read_head(root)
     s6 = _fake(root, 6, parent=s4)
-    layer = s6 / checkpoint.layer_name(1)
+    layer = s6 / store.layer_name(1)
     data = bytearray(layer.read_bytes())
     data[7] ^= 0x01
     layer.write_bytes(bytes(data))
-    chosen, skipped = checkpoint.resolve(run_dir)
+    chosen, skipped = store.resolve(run_dir)
     assert chosen.path == s4 and "CRC-32" in (skipped[0].problem or "")
-    assert checkpoint.enter(root, s4, restart=False) == head
+    assert store.enter(root, s4, restart=False) == head
     assert _names(root) == ["step_4", "step_6"] and not (root / "abandoned").exists()
 
 
@@ -129,21 +128,21 @@ def test_a_damaged_lineage_record_is_a_damaged_checkpoint(tmp_path):
     """A changed byte in the record (another branch id) must not move the checkpoint into
     another history silently: the record has its own CRC-32, and the search skips it."""
     run_dir = tmp_path / "run"
-    root = checkpoint.checkpoint_root(run_dir)
+    root = store.checkpoint_root(run_dir)
     s4 = _fake(root, 4)
     s6 = _fake(root, 6, parent=s4)
     path = s6 / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["lineage"]["branch"] = "0" * 12
     path.write_text(json.dumps(manifest))
-    chosen, skipped = checkpoint.resolve(run_dir)
+    chosen, skipped = store.resolve(run_dir)
     assert chosen.path == s4 and [c.path for c in skipped] == [s6]
     assert "lineage record" in (skipped[0].problem or "")
 
 
 def test_a_directory_from_before_lineages_resumes_newest_first(tmp_path):
     run_dir = tmp_path / "run"
-    root = checkpoint.checkpoint_root(run_dir)
+    root = store.checkpoint_root(run_dir)
     for step in (2, 4):
         _fake(root, step, keep=5)
     (root / lineage.HEAD).unlink()  # as an old version left it: no head, no records
@@ -154,7 +153,7 @@ def test_a_directory_from_before_lineages_resumes_newest_first(tmp_path):
         manifest["format"] = 1
         path.write_text(json.dumps(manifest))
     assert newest_checkpoint(run_dir) == root / "step_4"
-    head = checkpoint.enter(root, root / "step_2", restart=False)
+    head = store.enter(root, root / "step_2", restart=False)
     assert head.start == lineage.Key(None, 2, "step_2")
     assert (
         _names(root) == ["step_2"] and (root / "abandoned" / "before-lineage" / "step_4").is_dir()
@@ -168,7 +167,7 @@ def test_the_restart_search_reads_one_checkpoint_in_full_and_the_ranks_read_noth
     again (2N+1). Now: cheap checks (manifest, sizes), one full read of the chosen one, and
     rank 0 reads only the small run state before the ranks load their layers."""
     cfg = tiny_config(tmp_path, "job.name=reads", "train.steps=8")
-    root = checkpoint.checkpoint_root(cfg.run_dir)
+    root = store.checkpoint_root(cfg.run_dir)
     num_layers = cfg.model.num_layers
     state = {
         "parts": [0, num_layers],
@@ -177,15 +176,15 @@ def test_the_restart_search_reads_one_checkpoint_in_full_and_the_ranks_read_noth
         "history": {},
     }
     for step in (2, 4, 6):
-        directory = checkpoint.step_dir(root, step)
+        directory = store.step_dir(root, step)
         files = {
-            checkpoint.layer_name(i): checkpoint.write_file(
-                directory, checkpoint.layer_name(i), bytes([i, step]) * 4096
+            store.layer_name(i): store.write_file(
+                directory, store.layer_name(i), bytes([i, step]) * 4096
             )
             for i in range(num_layers)
         }
-        files[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, {**state, "step": step})
-        checkpoint.commit(root, step, files, keep=3)
+        files[store.RUN_STATE] = store.write_run_state(directory, {**state, "step": step})
+        store.commit(root, step, files, keep=3)
     reads: Counter[str] = Counter()
     real = Path.read_bytes
 
@@ -195,11 +194,11 @@ def test_the_restart_search_reads_one_checkpoint_in_full_and_the_ranks_read_noth
         return real(path)
 
     monkeypatch.setattr(Path, "read_bytes", counting)
-    chosen, skipped = checkpoint.resolve(cfg.run_dir)
+    chosen, skipped = store.resolve(cfg.run_dir)
     assert chosen.step == 6 and not skipped
-    checkpoint.scan(root)  # what the rank 0 of a resumed run lists for its skip warnings
+    store.scan(root)  # what the rank 0 of a resumed run lists for its skip warnings
     resume.checked_resume_dir(cfg, chosen.path)
-    assert reads == Counter({f"step_6/{checkpoint.layer_name(i)}": 1 for i in range(num_layers)})
+    assert reads == Counter({f"step_6/{store.layer_name(i)}": 1 for i in range(num_layers)})
 
 
 @pytest.mark.mpi
@@ -215,7 +214,7 @@ def test_a_crash_after_a_resume_from_an_older_checkpoint_restarts_on_its_own_bra
     ]
     first = tiny_config(tmp_path, *overrides)
     rc, run_dir = launch_local(first, timeout_s=240)
-    root = checkpoint.checkpoint_root(run_dir)
+    root = store.checkpoint_root(run_dir)
     assert rc == 0 and _names(root) == ["step_4", "step_6"]
     old_branch = _record(root / "step_6").get("branch")
     want = read_result(run_dir)["losses"]
@@ -248,7 +247,7 @@ def test_a_crash_after_a_resume_from_an_older_checkpoint_restarts_on_its_own_bra
     assert s6["parent"] == {"branch": s5["branch"], "step": 5, "path": "step_5"}
     assert (root / "latest").read_text().strip() == "step_6"
     aside = root / "abandoned" / old_branch / "step_6"
-    assert checkpoint.verify(aside) is None and _record(aside)["branch"] == old_branch
+    assert store.verify(aside) is None and _record(aside)["branch"] == old_branch
 
 
 def _one_rank(tmp_path: Path, *overrides: str) -> Any:
@@ -270,8 +269,8 @@ def test_the_resumed_from_line_is_logged_on_a_resume_and_not_on_a_fresh_restart(
     cfg = _one_rank(tmp_path, "train.steps=2", "checkpoint.at_end=true")
     cfg.run_dir.mkdir(parents=True)
     Trainer(cfg, MPI.COMM_SELF, cfg.run_dir).train()
-    step_2 = checkpoint.checkpoint_root(cfg.run_dir) / "step_2"
-    assert checkpoint.verify(step_2) is None
+    step_2 = store.checkpoint_root(cfg.run_dir) / "step_2"
+    assert store.verify(step_2) is None
     caplog.clear()
 
     resumed = _one_rank(tmp_path, "train.steps=3", "checkpoint.at_end=true")
@@ -294,11 +293,11 @@ def test_manifest_crc_is_checked_on_the_bytes_a_rank_loads(tmp_path):
 
     root = tmp_path / "checkpoint"
     directory = _fake(root, 1)
-    name = checkpoint.layer_name(0)
-    entry = checkpoint.manifest_files(directory)[name]
+    name = store.layer_name(0)
+    entry = store.manifest_files(directory)[name]
     assert entry["crc32"] == zlib.crc32((directory / name).read_bytes())
     with pytest.raises(CheckpointError, match="CRC-32"):
-        checkpoint.load_layer(directory, 0, {**entry, "crc32": entry["crc32"] ^ 1})
+        store.load_layer(directory, 0, {**entry, "crc32": entry["crc32"] ^ 1})
 
 
 def test_the_root_entries_are_fsynced_before_an_old_checkpoint_is_pruned(tmp_path, monkeypatch):
@@ -309,7 +308,7 @@ def test_the_root_entries_are_fsynced_before_an_old_checkpoint_is_pruned(tmp_pat
     import shutil
     import stat
 
-    root = checkpoint.checkpoint_root(tmp_path / "run")
+    root = store.checkpoint_root(tmp_path / "run")
     _fake(root, 2, keep=1)
     events: list[tuple[str, str]] = []
     real_fsync, real_rmtree = os.fsync, shutil.rmtree

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from dynmo_hpc.pipeline.costs import LayerSize, LoadReport
-from dynmo_hpc.train import capacity
-from dynmo_hpc.train import pack_inputs as elastic
+from dynmo_hpc.train import capacity, pack_inputs
 from tests.helpers.jobs import tiny_config
 
 GIB = 1 << 30
@@ -78,12 +77,12 @@ def test_stage_capacity_reads_the_allocation(tmp_path, monkeypatch):
     assert cfg.balance.capacity_bytes is None
     monkeypatch.setenv("SLURM_MEM_PER_NODE", "1024")  # 1 GiB, far below any machine's RAM
     monkeypatch.setattr(capacity, "read_cgroup_limit_bytes", lambda: None)
-    cpu = elastic.stage_capacity_bytes(cfg, torch.device("cpu"), 4)
+    cpu = pack_inputs.stage_capacity_bytes(cfg, torch.device("cpu"), 4)
     assert cpu == GIB / 4
     # a GPU: its free memory plus this stage's reserve, less 10 % of the total (faked)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * GIB)
-    assert elastic.stage_capacity_bytes(cfg, torch.device("cuda", 0), 1) == 32 * GIB
+    assert pack_inputs.stage_capacity_bytes(cfg, torch.device("cuda", 0), 1) == 32 * GIB
 
 
 def _report(state_bytes, peaks):
@@ -98,11 +97,11 @@ def test_layer_memory_divides_a_stage_peak_by_the_microbatches_it_held():
     # 4 stages of 2 layers (100 bytes of state each), M = 8, 1F1B: stage s held 4 - s
     # microbatches, each stage's peak is 200 + 40 * (4 - s): 40 bytes a microbatch, 20 a layer
     report = _report([100] * 8, [200 + 40 * (4 - s) for s in range(4)])
-    memory = elastic.layer_memory(report, [0, 2, 4, 6, 8], 8, "1f1b")
+    memory = pack_inputs.layer_memory(report, [0, 2, 4, 6, 8], 8, "1f1b")
     assert memory.fixed_bytes == [100.0] * 8
     assert memory.activation_bytes == pytest.approx([20.0] * 8)
     # GPipe: every stage held all 8
-    gpipe = elastic.layer_memory(report, [0, 2, 4, 6, 8], 8, "gpipe")
+    gpipe = pack_inputs.layer_memory(report, [0, 2, 4, 6, 8], 8, "gpipe")
     assert gpipe.activation_bytes[-1] == pytest.approx(40 / 8 / 2)
 
 
@@ -110,7 +109,7 @@ def test_a_last_stage_layer_moved_to_stage_0_is_priced_at_p_microbatches():
     """The last stage of 4 held 1 microbatch; on 3 stages its layer may land on stage 0, which
     holds 3: the estimate must cover 3 (scaling the stage's peak, as main did, covers 1)."""
     report = _report([100] * 8, [200 + 40 * (4 - s) for s in range(4)])
-    memory = elastic.layer_memory(report, [0, 2, 4, 6, 8], 8, "1f1b")
+    memory = pack_inputs.layer_memory(report, [0, 2, 4, 6, 8], 8, "1f1b")
     from dynmo_hpc.balance.packing import layer_memory_at, microbatches_in_flight
 
     in_flight = microbatches_in_flight(3, 8, "1f1b")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.cli.run import resolve_resume
 from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
@@ -104,8 +104,8 @@ def _launch(cfg: config_mod.JobConfig, resume: bool = False) -> int:
 
 def _final_layers(run_dir: Path, num_layers: int) -> list[dict[str, Any]]:
     directory = run_dir / "checkpoint" / f"step_{NUM_STEPS}"
-    assert checkpoint.verify(directory) is None
-    return [checkpoint.load_layer(directory, i) for i in range(num_layers)]
+    assert store.verify(directory) is None
+    return [store.load_layer(directory, i) for i in range(num_layers)]
 
 
 def assert_bitwise_equal(got: Any, want: Any, where: str) -> None:
@@ -160,7 +160,7 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(references, tm
         "fault.max_restarts=0",  # this test resumes by hand
     )
     assert _launch(crashed, resume=True) != 0
-    newest, _ = checkpoint.resolve(crashed.run_dir)
+    newest, _ = store.resolve(crashed.run_dir)
     assert newest.step == 3, f"expected step_3 to be the newest complete checkpoint: {newest}"
 
     # Launch 3: resumed from step_3 on a third stage count, to the end.
@@ -239,7 +239,7 @@ def test_resume_rules_keep_history_and_apply_allowed_changes(tmp_path):
     result = read_result(cfg.run_dir)
     assert result["completed_steps"] == 6 and len(result["losses"]) == 6
     for index in range(cfg.model.num_layers):
-        groups = checkpoint.load_layer(root / "step_6", index)["optimizer"]["param_groups"]
+        groups = store.load_layer(root / "step_6", index)["optimizer"]["param_groups"]
         assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
         assert tuple(groups[0]["betas"]) == (0.9, 0.99)
     run_log = load(cfg.run_dir / "run.h5")

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.checkpoint import resume
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import resume, store
 from dynmo_hpc.cli import main
 from dynmo_hpc.config.resume_rules import (
     KEY_RULES,
@@ -132,7 +131,7 @@ def test_launcher_refuses_a_changed_lr_and_accepts_it_when_allowed(tmp_path: Pat
     chosen = resume.choose_checkpoint(changed, "", ["train.lr"])
     assert chosen.path == written and [c.key for c in chosen.verdict.accepted] == ["train.lr"]
     # The ranks (allowed=None) refuse only what no flag can allow.
-    state = checkpoint.read_run_state(written)
+    state = store.read_run_state(written)
     assert resume.check_identity(changed, state, written).ok
     with pytest.raises(CheckpointError, match="below the checkpoint's step 4"):
         resume.check_identity(tiny_config(tmp_path, "train.steps=2"), state, written)

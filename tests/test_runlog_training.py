@@ -12,7 +12,7 @@ import time
 import h5py
 import pytest
 
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.launch.local import openmpi_env
 from dynmo_hpc.launch.rundir import prepare_run_dir
 from dynmo_hpc.runlog import load
@@ -130,6 +130,6 @@ def test_sigusr2_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
     completed = int(preempt["detail"].iloc[0]["completed_steps"])
     assert 3 <= completed < 400 and len(log.steps) == completed
     step_dir = cfg.run_dir / "checkpoint" / f"step_{completed}"
-    assert checkpoint.verify(step_dir) is None
+    assert store.verify(step_dir) is None
     state = json.loads((step_dir / "run_state.json").read_text())
     assert state["step"] == completed

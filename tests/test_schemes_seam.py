@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.cli.bench import scheme_jobs
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.errors import ConfigError
@@ -140,10 +140,10 @@ def test_a_seventh_scheme_counter_is_checkpointed(tmp_path, layer_drop):
     ctx = MicrobatchContext(tokens=tokens, targets=tokens)
     block(embedding(None, ctx), ctx)
     optimizer = torch.optim.AdamW(block.parameters())
-    payload = torch.load(io.BytesIO(checkpoint.layer_bytes(1, block, optimizer)))
+    payload = torch.load(io.BytesIO(store.layer_bytes(1, block, optimizer)))
     assert payload["counters"][":drop_stats"] == {"skipped_tokens": float(tokens.numel())}
     fresh = build_layer(cfg, 1)
-    checkpoint.restore_counters(fresh, payload["counters"])
+    store.restore_counters(fresh, payload["counters"])
     assert fresh.drop_stats == block.drop_stats
 
 

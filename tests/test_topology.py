@@ -325,8 +325,7 @@ def test_only_a_rank_that_writes_layers_puts_them_in_the_checkpoint(tmp_path: Pa
     import torch
     from mpi4py import MPI
 
-    from dynmo_hpc.checkpoint import resume
-    from dynmo_hpc.checkpoint import store as checkpoint
+    from dynmo_hpc.checkpoint import resume, store
 
     module = torch.nn.Linear(2, 2)
     slot = SimpleNamespace(index=0, module=module, optimizer=torch.optim.AdamW(module.parameters()))
@@ -335,7 +334,7 @@ def test_only_a_rank_that_writes_layers_puts_them_in_the_checkpoint(tmp_path: Pa
         directory, _, _ = resume.save(
             MPI.COMM_SELF, run_dir, 1, stage, 2, {"step": 1}, writes_layers=writes
         )
-        names = set(checkpoint.manifest_files(directory))
-        layer = checkpoint.layer_name(0)
+        names = set(store.manifest_files(directory))
+        layer = store.layer_name(0)
         assert (layer in names) == writes and (directory / layer).exists() == writes
-        assert checkpoint.RUN_STATE in names
+        assert store.RUN_STATE in names

@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from dynmo_hpc.balance import partition, uniform
 from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import store
 from dynmo_hpc.checkpoint.lineage import Key
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.config.resume_rules import (
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 def config_dict(cfg: JobConfig) -> dict[str, Any]:
     """The whole config flattened to dotted keys, as JSON gives it back (saved in every run
     state, so a resume can name each key that changed)."""
-    flat = checkpoint.flatten("", cfg.to_dict())
+    flat = store.flatten("", cfg.to_dict())
     normalised: dict[str, Any] = json.loads(json.dumps(flat))
     return normalised
 
@@ -124,7 +124,7 @@ class ChosenCheckpoint:
     step: int
     state: dict[str, Any]
     verdict: ResumeVerdict
-    skipped: list[checkpoint.Candidate]
+    skipped: list[store.Candidate]
     """Newer checkpoints passed over (damaged or incomplete), each with its problem."""
 
 
@@ -137,8 +137,8 @@ def choose_checkpoint(
     Raises:
         CheckpointError: nothing intact to resume from, or a change the rules refuse.
     """
-    chosen, skipped = checkpoint.resolve(Path(path_text) if path_text else cfg.run_dir)
-    state = checkpoint.read_run_state(chosen.path)
+    chosen, skipped = store.resolve(Path(path_text) if path_text else cfg.run_dir)
+    state = store.read_run_state(chosen.path)
     verdict = check_compatible(cfg, state, chosen.path, allowed)
     return ChosenCheckpoint(chosen.path, chosen.step, state, verdict, list(skipped))
 
@@ -227,21 +227,21 @@ def restore_layers(
     stage = pipeline_stage
     cfg = stage.cfg
     slots: list[LayerSlot] = []
-    files = checkpoint.manifest_files(directory)
+    files = store.manifest_files(directory)
     for index in range(stage.parts[stage.stage], stage.parts[stage.stage + 1]):
-        expected = files.get(checkpoint.layer_name(index))
+        expected = files.get(store.layer_name(index))
         if expected is None:
             raise CheckpointError(
-                f"checkpoint {directory}: its manifest lists no {checkpoint.layer_name(index)}; "
+                f"checkpoint {directory}: its manifest lists no {store.layer_name(index)}; "
                 "HINT: resume from an earlier checkpoint"
             )
-        payload = checkpoint.load_layer(directory, index, expected)
+        payload = store.load_layer(directory, index, expected)
         try:
             module = restore_layer(cfg, index, payload["module"])
-            checkpoint.restore_counters(module, payload.get("counters", {}))
+            store.restore_counters(module, payload.get("counters", {}))
         except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:
             raise CheckpointError(
-                f"{directory / checkpoint.layer_name(index)}: the saved layer does not fit the "
+                f"{directory / store.layer_name(index)}: the saved layer does not fit the "
                 f"model ({type(exc).__name__}: {str(exc)[:200]}); HINT: resume from an earlier "
                 "checkpoint"
             ) from None
@@ -252,7 +252,7 @@ def restore_layers(
             apply_hyperparameters(slot.optimizer, cfg.train)
         except (ValueError, KeyError) as exc:
             raise CheckpointError(
-                f"{directory / checkpoint.layer_name(index)}: optimizer state does not fit the "
+                f"{directory / store.layer_name(index)}: optimizer state does not fit the "
                 f"layer ({exc}); HINT: resume from a checkpoint written by this version"
             ) from None
         slots.append(slot)
@@ -284,16 +284,16 @@ def save(
     record (:mod:`.lineage`).
     """
     t0 = time.perf_counter()
-    root = checkpoint.checkpoint_root(run_dir)
-    directory = checkpoint.step_dir(root, step)
+    root = store.checkpoint_root(run_dir)
+    directory = store.step_dir(root, step)
     if comm.rank == 0 and directory.exists():
         shutil.rmtree(directory)
     comm.Barrier()
     files: dict[str, dict[str, int]] = {}
     for slot in pipeline_stage.slots if writes_layers else []:
-        data = checkpoint.layer_bytes(slot.index, slot.module, slot.optimizer)
-        files[checkpoint.layer_name(slot.index)] = checkpoint.write_file(
-            directory, checkpoint.layer_name(slot.index), data
+        data = store.layer_bytes(slot.index, slot.module, slot.optimizer)
+        files[store.layer_name(slot.index)] = store.write_file(
+            directory, store.layer_name(slot.index), data
         )
     if after_files is not None:
         after_files()
@@ -301,8 +301,8 @@ def save(
     if comm.rank == 0:
         assert run_state is not None, "rank 0 writes the run state"
         merged = {name: entry for part in gathered for name, entry in part.items()}
-        merged[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, run_state)
-        checkpoint.commit(root, step, merged, keep, parent)
+        merged[store.RUN_STATE] = store.write_run_state(directory, run_state)
+        store.commit(root, step, merged, keep, parent)
         num_bytes = sum(entry["bytes"] for entry in merged.values())
     else:
         num_bytes = 0
@@ -316,9 +316,9 @@ def checked_resume_dir(cfg: JobConfig, path: Path) -> tuple[Path, dict[str, Any]
     refused with a clear error: the cheap check (manifest, file sizes) and the run state's
     CRC-32 here; each layer file's CRC-32 as its rank loads it (:func:`restore_layers`), so no
     file is read twice on the ranks."""
-    problem = checkpoint.verify(path, only=(checkpoint.RUN_STATE,))
+    problem = store.verify(path, only=(store.RUN_STATE,))
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be resumed from: {problem}")
-    state = checkpoint.read_run_state(path)
+    state = store.read_run_state(path)
     check_identity(cfg, state, path)  # the run log was checked by the launcher (no fork here)
     return path, state

@@ -10,8 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dynmo_hpc.checkpoint import resume
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import resume, store
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.config.resume_rules import KeyRule
 
@@ -21,7 +20,7 @@ log = logging.getLogger(__name__)
 def log_skipped_checkpoints(writer: Any, chosen: Path, step: int) -> None:
     """Warn (log and run log) about newer checkpoints of the lineage that were damaged or
     incomplete (:func:`~dynmo_hpc.checkpoint.store.skipped_before`)."""
-    for candidate in checkpoint.skipped_before(chosen):
+    for candidate in store.skipped_before(chosen):
         if candidate.problem is not None:
             log.warning("skipped checkpoint %s: %s", candidate.path, candidate.problem)
             writer.log_event(

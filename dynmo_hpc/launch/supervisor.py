@@ -101,10 +101,10 @@ class JobOutcome:
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete, verified checkpoint of the run's current lineage, or None (see
     :mod:`dynmo_hpc.checkpoint.lineage`: never one of an abandoned branch)."""
-    from dynmo_hpc.checkpoint import store as checkpoint
+    from dynmo_hpc.checkpoint import store
 
     try:
-        return checkpoint.resolve(run_dir)[0].path
+        return store.resolve(run_dir)[0].path
     except CheckpointError:
         return None
 

@@ -34,8 +34,7 @@ from mpi4py import MPI
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import STATIC
-from dynmo_hpc.checkpoint import resume
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import resume, store
 from dynmo_hpc.checkpoint.lineage import Key
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.data.batches import TextDataset
@@ -164,7 +163,7 @@ class Trainer:
         """Rank 0: ``directory``'s lineage key (its manifest only), or None."""
         if directory is None or self.rank != 0:
             return None
-        return checkpoint.key_of(checkpoint.checkpoint_root(self.run_dir), directory)
+        return store.key_of(store.checkpoint_root(self.run_dir), directory)
 
     def _build_stage(self, parts: list[int], build_layers: bool) -> PipelineStage:
         """This rank's stage on ``parts``, linked to its neighbours (layers built unless they

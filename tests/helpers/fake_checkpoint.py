@@ -11,8 +11,7 @@ from typing import Any
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.balance import uniform
-from dynmo_hpc.checkpoint import resume
-from dynmo_hpc.checkpoint import store as checkpoint
+from dynmo_hpc.checkpoint import resume, store
 
 
 def write_fake_checkpoint(
@@ -22,10 +21,10 @@ def write_fake_checkpoint(
 
     ``with_config=False``: as a version that saved only the identity keys wrote it.
     """
-    root = checkpoint.checkpoint_root(cfg.run_dir)
-    directory = checkpoint.step_dir(root, step)
+    root = store.checkpoint_root(cfg.run_dir)
+    directory = store.step_dir(root, step)
     files = {
-        checkpoint.layer_name(i): checkpoint.write_file(directory, checkpoint.layer_name(i), b"x")
+        store.layer_name(i): store.write_file(directory, store.layer_name(i), b"x")
         for i in range(cfg.model.num_layers)
     }
     state: dict[str, Any] = {
@@ -40,5 +39,5 @@ def write_fake_checkpoint(
     }
     if with_config:
         state["config"] = resume.config_dict(cfg)
-    files[checkpoint.RUN_STATE] = checkpoint.write_run_state(directory, state)
-    return checkpoint.commit(root, step, files, keep=10)
+    files[store.RUN_STATE] = store.write_run_state(directory, state)
+    return store.commit(root, step, files, keep=10)
