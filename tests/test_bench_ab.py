@@ -8,6 +8,7 @@ partition, and log every step's arm and wall/CPU ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynmo_hpc.bench.ab import compare_arms, mark_steps, report_overheads
+from dynmo_hpc.bench.ab import adjacent_block_gains, compare_arms, mark_steps, report_overheads
+from dynmo_hpc.bench.ab_summary import ABRunFigures, ab_rows
 from dynmo_hpc.bench.summary import algorithm_label
+from dynmo_hpc.cli.bench_ab import ab_order
 from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.runlog import load
 from dynmo_hpc.train.ab_arms import (
@@ -25,6 +28,7 @@ from dynmo_hpc.train.ab_arms import (
     STATIC_ARM,
     ABSwitch,
     ab_arm,
+    lead_arm,
     wall_s_per_cpu_s,
 )
 from tests.helpers.jobs import run_job, tiny_config
@@ -36,6 +40,21 @@ def test_arms_alternate_every_period_starting_with_the_static_split() -> None:
     assert ab_arm(5, 0) == NO_ARM
     with pytest.raises(ValueError):
         ab_arm(-1, 2)
+
+
+def test_the_leading_arm_can_be_the_balancers() -> None:
+    """``balance.ab_lead: dynmo`` starts with arm B; the switch follows the same blocks."""
+    assert [ab_arm(s, 2, DYNMO_ARM) for s in range(6)] == [1, 1, 0, 0, 1, 1]
+    assert lead_arm("static") == STATIC_ARM and lead_arm("dynmo") == DYNMO_ARM
+    switch = ABSwitch(2, static_parts=[0, 3, 6], dynmo_parts=[0, 3, 6], lead=DYNMO_ARM)
+    # report after step 1 (arm B): step 2 is arm A, already in force
+    assert switch.after_decision(1, [0, 4, 6], [0, 3, 6]) is None
+    # report after step 3 (arm A): step 4 is arm B, the balancer's plan
+    assert switch.after_decision(3, None, [0, 3, 6]) == [0, 4, 6]
+    with pytest.raises(ValueError):
+        ab_arm(0, 2, lead=2)
+    with pytest.raises(ValueError):
+        lead_arm("b")
 
 
 def test_switch_migrates_to_the_next_steps_arm_and_keeps_the_balancers_own_plan() -> None:
@@ -145,7 +164,7 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     sets = [s for item in TINY if not item.startswith(skip) for s in ("--set", item)]
     sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
     argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "uniform,parameters,optimal"]
-    argv += ["--repeats", "1", "--steps", "12", "--ab-period", "4", "--out", str(out)]
+    argv += ["--repeats", "1", "--steps", "24", "--ab-period", "4", "--out", str(out)]
     argv += ["--jobs-dir", str(ROOT / "jobs"), *sets]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -155,19 +174,20 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert header in text
     headline, detail = text.split("Every run, one line per phase:")
     heads = [line for line in headline.splitlines() if line.startswith("| plain |")]
-    assert [h.split("|")[2].strip() for h in heads] == ["ramp 0-5", "steady 6-11"]
+    # the first block of each arm (steps 0-7) is the warm-up, in neither phase
+    assert [h.split("|")[2].strip() for h in heads] == ["ramp 8-11", "steady 12-23"]
     assert all(len(h.split("|")) == 8 for h in heads)  # uniform, parameters, optimal, ceiling
     rows = [line for line in detail.splitlines() if line.startswith("| plain |")]
-    # uniform and the parameter split, each against optimal: the ramp (0-5), the steady (6-11)
+    # uniform and the parameter split, each against optimal: the ramp (8-11), the steady (12-23)
     labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
     uniform, parameters, optimal = (
         algorithm_label(a) for a in ("uniform", "parameters", "optimal")
     )
     assert labels == [
-        (uniform, optimal, "ramp 0-5"),
-        (uniform, optimal, "steady 6-11"),
-        (parameters, optimal, "ramp 0-5"),
-        (parameters, optimal, "steady 6-11"),
+        (uniform, optimal, "ramp 8-11"),
+        (uniform, optimal, "steady 12-23"),
+        (parameters, optimal, "ramp 8-11"),
+        (parameters, optimal, "steady 12-23"),
     ]
     for row in rows[:4]:
         ceiling = row.split("|")[8].strip()
@@ -178,7 +198,9 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
     with h5py.File(out / "results.h5", "r") as f:
         run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
-        assert run["ab_arm"][()].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+        assert (
+            run["ab_arm"][()].tolist() == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+        )
         assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
     # benchmarks/ab_breakdown.py reads a run's log: both arms priced, B's partition checked
     import os
@@ -193,7 +215,7 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].endswith("steady state from step 6, A/B period 4 steps")
+    assert lines[0].endswith("steady state from step 12, A/B period 4 steps")
     assert any(line.startswith("arm A (") and "measured/model" in line for line in lines)
     assert any(line.startswith("ceiling, with measured overheads: ") for line in lines)
 
@@ -211,13 +233,15 @@ def test_bench_ab_refuses_algorithms_without_a_static_split(
     assert "lacks a static baseline" in err and "HINT" in err
 
 
-def _steps(step_time_s: list[float], ratios: list[float], period: int) -> pd.DataFrame:
+def _steps(
+    step_time_s: list[float], ratios: list[float], period: int, lead: int = STATIC_ARM
+) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "step": range(len(step_time_s)),
             "step_time_s": step_time_s,
             "wall_s_per_cpu_s": ratios,
-            "ab_arm": [ab_arm(s, period) for s in range(len(step_time_s))],
+            "ab_arm": [ab_arm(s, period, lead) for s in range(len(step_time_s))],
         }
     )
 
@@ -456,3 +480,72 @@ def test_a_signal_that_stops_a_run_stops_the_bench(
     assert rc == 128 + signal.SIGTERM
     assert len(calls) == 2  # the direct call, then the bench's first run only
     assert "interrupted (SIGTERM)" in capsys.readouterr().err
+
+
+def _drifting_times(num_blocks: int, period: int, lead: int, gain: float) -> list[float]:
+    """Step times of a machine (or a ramping model) that slows 3 % per block, with the static
+    arm ``gain`` times slower than the balancer's."""
+    times = []
+    for step in range(period * num_blocks):
+        drift = 1.03 ** (step // period)
+        times.append(drift * (gain if ab_arm(step, period, lead) == STATIC_ARM else 1.0))
+    return times
+
+
+@pytest.mark.parametrize("gain", [1.0, 1.2])
+def test_pairs_taken_in_both_orders_read_the_true_gain_under_a_drift(gain: float) -> None:
+    """Repeats leading with either arm, a steady drift: the both-order gain reads exactly the
+    true gain (1.0: none; 1.2), every triple of blocks alike, where pairs of one order alone
+    read the drift as gain or loss."""
+    period, num_blocks = 3, 10
+    marked = [
+        mark_steps(
+            _steps(_drifting_times(num_blocks, period, lead, gain), [1.0] * 30, period, lead), []
+        )
+        for lead in (STATIC_ARM, DYNMO_ARM)
+    ]
+    both = compare_arms(marked, period, 0, period * num_blocks, both_orders=True)
+    assert both is not None and len(both.block_gains) == 2 * (num_blocks - 2)
+    assert both.block_gains == [pytest.approx(gain, rel=1e-12)] * len(both.block_gains)
+    assert both.gain == pytest.approx(gain, rel=1e-12)
+    static_first = compare_arms(marked[:1], period, 0, period, both_orders=False)
+    assert static_first is None  # one block: no pair
+    one_order = adjacent_block_gains(marked[0][marked[0]["kept"]], period)[0::2]
+    assert one_order == [pytest.approx(gain / 1.03)] * len(one_order)
+
+
+def test_warmup_sets_aside_one_block_of_each_arm() -> None:
+    """The first two blocks (one per arm, whichever leads) are in neither phase; the ramp gain
+    comes from pairs taken in both orders."""
+    period = 2
+    times = [9.0, 9.0, 5.0, 5.0] + [1.2, 1.2, 1.0, 1.0] * 4
+    marked = mark_steps(_steps(times, [1.0] * len(times), period), [])
+    figures = ABRunFigures(
+        marked=marked,
+        ceilings={},
+        losses=[0.0] * len(times),
+        period_steps=period,
+        steady_from_step=12,
+        num_steps=len(times),
+        tokens_per_step=100,
+        num_migrations=0,
+        wall_s=1.0,
+    )
+    assert figures.phase_bounds("ramp") == (4, 12)
+    assert figures.phase_bounds("steady") == (12, 20)
+    ramp, steady = ab_rows("plain", "uniform", "optimal", [figures])
+    assert ramp.comparison is not None and steady.comparison is not None
+    assert ramp.comparison.block_gains == [pytest.approx(1.2)] * 2  # blocks 2-5: A B A B
+    assert ramp.comparison.gain == pytest.approx(1.2)
+    assert steady.comparison.gain == pytest.approx(1.2)
+    short = dataclasses.replace(figures, steady_from_step=2)
+    assert short.phase_bounds("ramp") == (4, 4) and short.phase_bounds("steady") == (4, 20)
+
+
+def test_the_bench_alternates_the_leading_arm_over_repeats(tmp_path: Path) -> None:
+    order = ab_order(["plain"], ["uniform", "optimal"], 4)
+    assert [p.lead for p in order] == ["static", "dynmo", "static", "dynmo"]
+    cfg = tiny_config(tmp_path, "balance.ab_lead=dynmo")
+    assert cfg.balance.ab_lead == "dynmo"
+    with pytest.raises(ConfigError, match="ab_lead"):
+        tiny_config(tmp_path, "balance.ab_lead=b")

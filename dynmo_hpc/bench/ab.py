@@ -20,6 +20,12 @@ steps that compare like with like and reduces them to a gain:
   block after it, so A-then-B and B-then-A pairs are equally many (give or take one): a drift of
   the machine's speed, or of the model's cost (a scheme still ramping), raises half the ratios
   and lowers the other half instead of biasing them all one way;
+- **both orders** (the ramp): while a scheme still ramps, the model's cost changes from block
+  to block, and a median of single pairs leans with the change when the pairs of one order
+  outnumber the other's. There the gain is taken from pairs taken in both orders only: per
+  three blocks in a row (A B A or B A B), the middle block against the geometric mean of its
+  neighbours, which is the geometric mean of the A-then-B and the B-then-A pair. A drift that
+  is geometric over the three blocks cancels exactly (:func:`both_order_gains`);
 - the tokens/s of each arm (the table's columns) is from the arm's median kept step time over
   the phase; their ratio need not equal the gain (it weighs blocks by their kept steps).
 
@@ -89,11 +95,17 @@ class ArmComparison:
 
 
 def compare_arms(
-    marked: list[pd.DataFrame], period_steps: int, first_step: int, end_step: int
+    marked: list[pd.DataFrame],
+    period_steps: int,
+    first_step: int,
+    end_step: int,
+    *,
+    both_orders: bool = False,
 ) -> ArmComparison | None:
     """The comparison over steps ``first_step .. end_step - 1`` of one or more marked runs
     (:func:`mark_steps`; repeats pooled); None when no adjacent pair of blocks has kept steps
-    in both arms there."""
+    in both arms there. ``both_orders``: the gains are :func:`both_order_gains` instead of
+    :func:`adjacent_block_gains` (None when no three blocks in a row qualify)."""
     if period_steps < 1:
         raise ValueError(f"period_steps={period_steps} must be >= 1")
     kept: dict[int, list[float]] = {STATIC_ARM: [], DYNMO_ARM: []}
@@ -105,7 +117,8 @@ def compare_arms(
             rows = phase[phase["ab_arm"] == arm]
             total[arm] += len(rows)
             kept[arm] += rows.loc[rows["kept"], "step_time_s"].astype(float).tolist()
-        gains += adjacent_block_gains(phase[phase["kept"]], period_steps)
+        pairs = both_order_gains if both_orders else adjacent_block_gains
+        gains += pairs(phase[phase["kept"]], period_steps)
     if not gains:
         return None
     return ArmComparison(
@@ -117,6 +130,41 @@ def compare_arms(
     )
 
 
+def _block_medians(kept: pd.DataFrame, period_steps: int) -> dict[int, tuple[int, float]]:
+    """Per block (``step // period``) of one arm with kept steps: (arm, median step time)."""
+    medians: dict[int, tuple[int, float]] = {}
+    for block, rows in kept.groupby(kept["step"] // period_steps):
+        arms = rows["ab_arm"].unique()
+        if len(arms) == 1 and int(arms[0]) in (STATIC_ARM, DYNMO_ARM):
+            medians[int(block)] = (int(arms[0]), float(np.median(rows["step_time_s"])))
+    return medians
+
+
+def both_order_gains(kept: pd.DataFrame, period_steps: int) -> list[float]:
+    """Per three blocks in a row with kept steps, the outer two of one arm and the middle of the
+    other: static over balancer, with the outer arm's time the geometric mean of its two blocks
+    (the A-then-B and B-then-A pair ratios' geometric mean). ``kept`` as in
+    :func:`adjacent_block_gains`.
+
+    Example: blocks A, B, A with medians 1.2, 1.0, 1.5 give ``[sqrt(1.2 * 1.5)]``.
+    """
+    medians = _block_medians(kept, period_steps)
+    gains = []
+    for block in sorted(medians):
+        if block + 1 not in medians or block + 2 not in medians:
+            continue
+        (arm, before_s), (mid_arm, mid_s), (after_arm, after_s) = (
+            medians[block],
+            medians[block + 1],
+            medians[block + 2],
+        )
+        if arm != after_arm or arm == mid_arm:
+            continue
+        outer_s = float(np.sqrt(before_s * after_s))
+        gains.append(outer_s / mid_s if arm == STATIC_ARM else mid_s / outer_s)
+    return gains
+
+
 def adjacent_block_gains(kept: pd.DataFrame, period_steps: int) -> list[float]:
     """Per adjacent pair of blocks (``step // period``: ``j`` and ``j + 1``, one static and one
     balancer block) with kept steps in both: static median step time over balancer median, in
@@ -125,11 +173,7 @@ def adjacent_block_gains(kept: pd.DataFrame, period_steps: int) -> list[float]:
 
     Example: blocks A, B, A with medians 1.2, 1.0, 1.4 give ``[1.2, 1.4]``.
     """
-    medians: dict[int, tuple[int, float]] = {}
-    for block, rows in kept.groupby(kept["step"] // period_steps):
-        arms = rows["ab_arm"].unique()
-        if len(arms) == 1 and int(arms[0]) in (STATIC_ARM, DYNMO_ARM):
-            medians[int(block)] = (int(arms[0]), float(np.median(rows["step_time_s"])))
+    medians = _block_medians(kept, period_steps)
     gains = []
     for block in sorted(medians):
         if block + 1 not in medians:

@@ -21,7 +21,11 @@ from dynmo_hpc.bench.ceiling import Ceiling, capture
 from dynmo_hpc.bench.summary import algorithm_label
 
 PHASES = ("ramp", "steady")
-"""The ramp (steps before ``train.steady_state_step``) and the steady state (from it on)."""
+"""The ramp (after the warm-up, before ``train.steady_state_step``) and the steady state (from
+it on, and after the warm-up)."""
+WARMUP_BLOCKS = 2
+"""Blocks set aside at the start of every A/B run: one of each arm, whichever leads, so the
+run's warm-up (first steps, the balancer's first report) costs neither arm more than the other."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -41,11 +45,17 @@ class ABRunFigures:
     wall_s: float
     final_parts: list[int] = field(default_factory=list)
 
+    @property
+    def warmup_steps(self) -> int:
+        """Steps set aside for both arms at the start (:data:`WARMUP_BLOCKS` blocks)."""
+        return WARMUP_BLOCKS * self.period_steps
+
     def phase_bounds(self, phase: str) -> tuple[int, int]:
-        """Steps ``[first, end)`` of ``phase``."""
+        """Steps ``[first, end)`` of ``phase``, the warm-up left out of both."""
+        warmup = min(self.warmup_steps, self.num_steps)
         if phase == "ramp":
-            return 0, self.steady_from_step
-        return self.steady_from_step, self.num_steps
+            return warmup, max(warmup, self.steady_from_step)
+        return max(warmup, self.steady_from_step), self.num_steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +89,13 @@ def ab_rows(scheme: str, static: str, balancer: str, runs: Sequence[ABRunFigures
         first, end = runs[0].phase_bounds(phase)
         if end <= first:
             continue
-        comparison = compare_arms([r.marked for r in runs], runs[0].period_steps, first, end)
+        comparison = compare_arms(
+            [r.marked for r in runs],
+            runs[0].period_steps,
+            first,
+            end,
+            both_orders=phase == "ramp",
+        )
         ceilings = [phase_ceiling(r.ceilings, first, end) for r in runs]
         known = [c for c in ceilings if c is not None]
         rows.append(
@@ -109,7 +125,11 @@ def _row_line(row: ABRow) -> str:
         f"{row.phase} {row.steps[0]}-{row.steps[1] - 1} |"
     )
     if c is None:
-        missing = "no adjacent pair of blocks with kept steps in both arms"
+        missing = (
+            "no three blocks in a row with kept steps (pairs taken in both orders)"
+            if row.phase == "ramp"
+            else "no adjacent pair of blocks with kept steps in both arms"
+        )
         return head + f" - | - | - | {_num(row.ceiling)} | - | {missing} |"
     low, high = c.spread
     tps = row.tokens_per_step
@@ -195,11 +215,14 @@ def render_ab_markdown(
         "",
         "Each run alternates the static split and the balancer's plan every period of steps; "
         "both arms ran over the same minutes. tokens/s from the median kept step time of each "
-        "arm (repeats pooled). Steps set aside: a migrating step and the step after it, and "
-        f"noisy steps (wall/CPU ratio above {noise_factor:g} x the run's median). Gain = "
+        "arm (repeats pooled; the arm that leads alternates from one repeat to the next). Steps "
+        "set aside: the first block of each arm (warm-up), a migrating step and the step after "
+        f"it, and noisy steps (wall/CPU ratio above {noise_factor:g} x the run's median). Gain = "
         "balancer over static split: the median, over adjacent pairs of blocks (one per arm), "
         "of static block median step time / balancer block median step time, (25th-75th "
-        "percentile over the same pairs). Ceiling = the best contiguous partition's simulated "
+        "percentile over the same pairs); in the ramp, over three blocks in a row (pairs taken "
+        "in both orders), the middle block against the geometric mean of its neighbours. "
+        "Ceiling = the best contiguous partition's simulated "
         "step over the static split's, on the run's measured per-layer costs plus its measured "
         "time besides the layers (per stage, and after the schedule), fill and drain included. "
         "Capture = (gain - 1) / (ceiling - 1), '-' where the ceiling is under 1.01. Kept = "

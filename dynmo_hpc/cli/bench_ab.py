@@ -3,9 +3,11 @@
 For every scheme, repeat, static baseline ``s`` and balancer ``d`` (from ``--algorithms``), one
 job runs with ``pipeline.partition`` set to ``s``'s split, ``balance.algorithm=d`` and
 ``balance.ab_period_steps=k``: the partition alternates between ``s``'s split and ``d``'s plan
-every ``k`` steps (:mod:`dynmo_hpc.train.ab_arms`). The runs go in the interleaved order of the
-whole-run bench (pairs rotated from one repeat to the next). The comparison, the ceiling and the
-capture come from each run's log (:mod:`dynmo_hpc.bench.ab`, :mod:`dynmo_hpc.bench.ceiling`).
+every ``k`` steps (:mod:`dynmo_hpc.train.ab_arms`), the static split first in even repeats and
+the balancer's plan first in odd ones (``balance.ab_lead``). The runs go in the interleaved
+order of the whole-run bench (pairs rotated from one repeat to the next). The comparison, the
+ceiling and the capture come from each run's log (:mod:`dynmo_hpc.bench.ab`,
+:mod:`dynmo_hpc.bench.ceiling`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dynmo_hpc.bench.output import write_ab_chart, write_ab_results_h5
 from dynmo_hpc.bench.summary import BenchError, check_same_losses, max_loss_difference
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import DynmoError, Interrupted
+from dynmo_hpc.train.ab_arms import ARM_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,12 @@ class ABPlanned:
     @property
     def name(self) -> str:
         return f"bench_ab_{self.scheme}_{self.balancer}_vs_{self.static}_r{self.repeat}"
+
+    @property
+    def lead(self) -> str:
+        """The arm of the run's first block (``balance.ab_lead``): static in even repeats, the
+        balancer in odd ones (ABBA over a pair of repeats)."""
+        return ARM_NAMES[self.repeat % 2]
 
 
 def ab_order(schemes: list[str], algorithms: list[str], repeats: int) -> list[ABPlanned]:
@@ -228,6 +237,7 @@ def run_ab(
         sets += [
             f"balance.algorithm={planned.balancer}",
             f"balance.ab_period_steps={_period(args, cfg0)}",
+            f"balance.ab_lead={planned.lead}",
             f"job.name={planned.name}",
         ]
         figures = _train(args, planned, make_config(planned.scheme, sets))

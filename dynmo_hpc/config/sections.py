@@ -394,6 +394,11 @@ class BalanceSection:
     from the measured costs in both arms as if it ran alone (:mod:`dynmo_hpc.train.ab_arms`).
     Each step's arm is in the run log. A multiple of ``interval`` (the switch migrates at the
     load report that ends a block); needs a rebalancing algorithm and no elastic packing."""
+    ab_lead: str = "static"
+    """Benchmarking: the arm of an A/B run's first block, ``static`` (A) or ``dynmo`` (B); the
+    bench alternates it from one repeat to the next. In a ``dynmo`` first block the balancer
+    has not reported yet, so it runs the static split: the bench sets the first block of each
+    arm aside as warm-up."""
 
     def validate(self) -> None:
         try:
@@ -412,6 +417,10 @@ class BalanceSection:
         self._validate_ab()
 
     def _validate_ab(self) -> None:
+        if self.ab_lead not in ("static", "dynmo"):
+            raise ConfigError(
+                f"balance.ab_lead={self.ab_lead!r} is not an A/B arm; HINT: use static or dynmo"
+            )
         period = self.ab_period_steps
         if period == 0:
             return

@@ -9,7 +9,10 @@ model a static run trains; only the step times differ.
 
 Invariants:
 
-- step ``s`` belongs to arm A when ``(s // k) % 2 == 0`` and to arm B otherwise (A first);
+- step ``s`` belongs to arm ``(s // k + lead) % 2`` (:func:`ab_arm`): blocks of ``k`` steps
+  alternate, starting with the leading arm (``balance.ab_lead``, A unless set). The bench
+  alternates the lead from one repeat to the next, so neither arm always runs first (the first
+  blocks of a run pay its warm-up, and the bench sets a block of each arm aside for that);
 - the balancer plans from the partition *it* chose (:attr:`ABSwitch.dynmo_parts`), with the
   costs measured in both arms, as if it ran alone; its plan is enacted only in B blocks;
 - the switch happens at the load report of a block's last step (``k`` is a multiple of
@@ -31,16 +34,28 @@ DYNMO_ARM = 1
 ARM_NAMES = {STATIC_ARM: "static", DYNMO_ARM: "dynmo"}
 
 
-def ab_arm(step: int, period_steps: int) -> int:
-    """The arm of ``step`` (0-based): :data:`NO_ARM` when ``period_steps`` is 0.
+def lead_arm(name: str) -> int:
+    """The arm a ``balance.ab_lead`` value names (``"static"`` or ``"dynmo"``)."""
+    for arm, arm_name in ARM_NAMES.items():
+        if arm_name == name:
+            return arm
+    raise ValueError(f"unknown A/B arm {name!r}; choose one of {sorted(ARM_NAMES.values())}")
 
-    Example: ``[ab_arm(s, 2) for s in range(6)] == [0, 0, 1, 1, 0, 0]``.
+
+def ab_arm(step: int, period_steps: int, lead: int = STATIC_ARM) -> int:
+    """The arm of ``step`` (0-based) when blocks start with arm ``lead``: :data:`NO_ARM` when
+    ``period_steps`` is 0.
+
+    Examples: ``[ab_arm(s, 2) for s in range(6)] == [0, 0, 1, 1, 0, 0]``;
+    ``[ab_arm(s, 2, DYNMO_ARM) for s in range(6)] == [1, 1, 0, 0, 1, 1]``.
     """
     if period_steps < 0 or step < 0:
         raise ValueError(f"period_steps={period_steps} and step={step} must be >= 0")
+    if lead not in ARM_NAMES:
+        raise ValueError(f"lead={lead} must be {STATIC_ARM} or {DYNMO_ARM}")
     if period_steps == 0:
         return NO_ARM
-    return (step // period_steps) % 2
+    return (step // period_steps + lead) % 2
 
 
 @dataclass
@@ -52,6 +67,8 @@ class ABSwitch:
     """Arm A's partition (the job's initial one)."""
     dynmo_parts: list[int]
     """The partition the balancer last chose (it starts where the run starts)."""
+    lead: int = STATIC_ARM
+    """The arm of the first block (:func:`ab_arm`)."""
 
     def after_decision(
         self, step: int, enacted: list[int] | None, in_force: list[int]
@@ -61,7 +78,7 @@ class ABSwitch:
         ``step + 1`` (that step's arm's partition), or None when it is already in force."""
         if enacted is not None:
             self.dynmo_parts = list(enacted)
-        arm = ab_arm(step + 1, self.period_steps)
+        arm = ab_arm(step + 1, self.period_steps, self.lead)
         target = self.static_parts if arm == STATIC_ARM else self.dynmo_parts
         return None if list(target) == list(in_force) else list(target)
 

@@ -32,7 +32,7 @@ from dynmo_hpc.pipeline.device import peak_memory_bytes
 from dynmo_hpc.pipeline.migration.move import MigrationError, MigrationStats, migrate
 from dynmo_hpc.pipeline.stage import PipelineStage
 from dynmo_hpc.testing.fault_injection import FaultInjector
-from dynmo_hpc.train.ab_arms import ABSwitch
+from dynmo_hpc.train.ab_arms import ABSwitch, lead_arm
 from dynmo_hpc.train.lifecycle import PhaseTracker, TrainResult
 from dynmo_hpc.train.pack_inputs import PackController, pack_result_event
 from dynmo_hpc.train.rebalance import decide
@@ -101,7 +101,12 @@ class LoadReporter:
             static = cfg.pipeline.partition or uniform(
                 [1.0] * cfg.model.num_layers, cfg.pipeline.num_stages
             )
-            self.ab = ABSwitch(cfg.balance.ab_period_steps, list(static), list(state.parts))
+            self.ab = ABSwitch(
+                cfg.balance.ab_period_steps,
+                list(static),
+                list(state.parts),
+                lead_arm(cfg.balance.ab_lead),
+            )
 
     @property
     def parts(self) -> list[int]:

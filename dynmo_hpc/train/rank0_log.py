@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from dynmo_hpc.checkpoint import resume_events as restart_events
+from dynmo_hpc.checkpoint import resume_events
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import take_phases
 from dynmo_hpc.handoff.signal_budget import measured_budget
 from dynmo_hpc.pipeline.grad_sync import log_overlap
 from dynmo_hpc.runlog.trajectory import SCHEME_STATS, job_layer_states
-from dynmo_hpc.train.ab_arms import ab_arm, wall_s_per_cpu_s
+from dynmo_hpc.train.ab_arms import ab_arm, lead_arm, wall_s_per_cpu_s
 from dynmo_hpc.train.lifecycle import TrainResult, log_failures, log_progress
 from dynmo_hpc.train.pack_inputs import PackController, resize_event
 
@@ -77,8 +77,8 @@ class Rank0Log:
         self.writer = self._open(restart, start_step, device)
         log_failures(self.writer, self.run_dir)
         if resume_from is not None and state is not None:
-            restart_events.log_skipped_checkpoints(self.writer, resume_from, start_step)
-            restart_events.log_config_changes(self.writer, self.cfg, state, start_step)
+            resume_events.log_skipped_checkpoints(self.writer, resume_from, start_step)
+            resume_events.log_config_changes(self.writer, self.cfg, state, start_step)
         launched_unix_s = env.launch_unix_s()
         if math.isfinite(launched_unix_s):
             packer.startup_s = time.time() - launched_unix_s
@@ -167,7 +167,7 @@ class Rank0Log:
             num_stages=cfg.pipeline.num_stages,
             num_ranks=self.num_ranks,
             num_nodes=self.num_nodes,
-            ab_arm=ab_arm(step, cfg.balance.ab_period_steps),
+            ab_arm=ab_arm(step, cfg.balance.ab_period_steps, lead_arm(cfg.balance.ab_lead)),
             wall_s_per_cpu_s=wall_s_per_cpu_s([g[2] for g in gathered], [g[4] for g in gathered]),
         )
         self.writer.log_stage_times(
