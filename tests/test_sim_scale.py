@@ -239,7 +239,7 @@ def test_generated_sections_are_replaced_between_markers() -> None:
     )
     with pytest.raises(ValueError, match="HINT: add the two markers"):
         sim_scale.replace_between("no markers", "new")
-    row = f"{sim_scale.README_ROW} old | x |"
+    row = f"{sim_scale.SUMMARY_ROW} old | x |"
     assert sim_scale.replace_row(f"h\n{row}\nt\n", "NEW") == "h\nNEW\nt\n"
 
 
@@ -247,8 +247,8 @@ def test_the_repository_has_the_markers_and_the_paper_file() -> None:
     import yaml
 
     assert sim_scale.BEGIN in (ROOT / "docs" / "simulate.md").read_text()
-    readme = (ROOT / "README.md").read_text().splitlines()
-    assert sum(line.startswith(sim_scale.README_ROW) for line in readme) == 1
+    summary = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    assert sum(line.startswith(sim_scale.SUMMARY_ROW) for line in summary) == 1
     paper = yaml.safe_load(sim_scale.PAPER.read_text())
     assert "arXiv:2505.14864" in paper["citation"]
     assert set(paper["speedup_up_to"]) <= set(sim_scale.SCHEMES)
