@@ -144,7 +144,9 @@ def _diffusion_path(costs_s: Sequence[float], state: BalanceState) -> Proposal:
 
 ALGORITHMS: dict[str, Algorithm] = {
     "uniform": Algorithm(
-        function=uniform, label="static uniform (equal layer counts)", rebalances=False
+        function=uniform,
+        label="static uniform (equal layer counts; Megatron-LM with embedding and loss counted)",
+        rebalances=False,
     ),
     "megatron": Algorithm(
         function=megatron,

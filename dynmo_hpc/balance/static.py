@@ -3,10 +3,14 @@
 Three splits, all computed once from data that never changes while training runs:
 
 - :func:`uniform`: equal counts of *all* layers (the trainer's default split), embedding and
-  head counted like blocks. On the 3P+2 layers of a 3-blocks-per-stage model it gives some
-  stages one block more than others, an imbalance no real Megatron-LM job has;
-- :func:`megatron`: Megatron-LM's own placement: the transformer blocks divided evenly, the
-  embedding with the first stage and the head with the last;
+  head counted like blocks. That is also Megatron-LM's split with
+  ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``
+  (the embedding and the head with the loss each count as one layer, and the layers are divided
+  evenly; Megatron-LM requires the stage count to divide them, where uniform spreads the
+  remainder). On the 3P+2 layers of a 3-blocks-per-stage model it gives some stages one block
+  more than others, an imbalance Megatron-LM without those options does not have;
+- :func:`megatron`: Megatron-LM's default placement: the transformer blocks divided evenly, the
+  embedding with the first stage and the head with the last (no accounting options);
 - :func:`parameters`: DeepSpeed's default, balanced parameter counts.
 
 Why they live here: DynMo's claim is a speedup *over* these splits, so the comparison must use
