@@ -204,6 +204,7 @@ def decide_pack(
         pack_policy=el.policy,
         max_slowdown=el.max_slowdown,
         min_stages=el.min_stages,
+        min_replicas=el.min_replicas,
         memory_bytes=memory.fixed_bytes,
         activation_bytes=memory.activation_bytes,
         schedule=cfg.pipeline.schedule,
@@ -262,13 +263,13 @@ class PackController:
         allreduce_s: float = 0.0,
     ) -> PackPlan | None:
         """The packing decision at this report, or None when none is due (nothing smaller to
-        go to: one replica at ``elastic.min_stages``)."""
+        go to: ``elastic.min_replicas`` replicas of ``elastic.min_stages`` stages)."""
         el = self.cfg.elastic
         if not el.enabled:
             return None
         self.num_reports += 1
         steps_left = self.cfg.train.steps - (report.step + 1)
-        at_floor = len(parts) - 1 <= el.min_stages and self.cfg.pipeline.replicas == 1
+        at_floor = len(parts) - 1 <= el.min_stages and self.cfg.pipeline.replicas <= el.min_replicas
         if self.num_reports % el.interval or steps_left <= 0 or at_floor:
             return None
         overhead_s = restart_overhead_s(
