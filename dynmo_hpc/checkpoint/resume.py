@@ -34,6 +34,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import partition, uniform
 from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
 from dynmo_hpc.checkpoint import store as checkpoint
@@ -277,8 +278,20 @@ def save(
     Every rank with ``writes_layers`` writes its own layers (with data-parallel replicas only
     replica 0's ranks do: each layer once, since the replicas hold identical copies); rank 0
     (which passes ``run_state``; the others pass None) then writes the run state and the
-    manifest, last, so the checkpoint is complete only once every file is. A stale directory
-    of the same step (a replay after a crash) is replaced.
+    manifest, last, so the checkpoint is complete only once every file is.
+
+    A directory of the same step already there is kept when it is a complete checkpoint that
+    verifies (every file's CRC-32): nothing is written, and ``latest`` is pointed at it. That
+    happens when a launch starts at the step of its newest checkpoint and saves it again (a
+    restart after a failure that came after the final checkpoint, ``--resume`` of a finished
+    run, a requeue of one); removing it before writing its replacement would lose the newest
+    checkpoint (with ``checkpoint.keep: 1`` the only one) to a kill or a full disk in between.
+    Keeping it loses nothing: a top-level checkpoint is of the current lineage (a resume from
+    an older one moves the newer ones under ``abandoned/``), and a step's weights, optimizer
+    state and data position are a pure function of the run's history up to that step (the
+    module docstring's invariant), so it holds what the ranks would write. Only an
+    incomplete or damaged directory (a replay after a crash mid-save) is removed and rewritten:
+    it holds nothing to lose.
     ``after_files`` runs once this rank's layer files are written (fault injection).
     ``parent`` (rank 0): the checkpoint this launch resumed from or wrote last, for the lineage
     record (:mod:`.lineage`).
@@ -286,8 +299,19 @@ def save(
     t0 = time.perf_counter()
     root = checkpoint.checkpoint_root(run_dir)
     directory = checkpoint.step_dir(root, step)
+    keep_existing = False
     if comm.rank == 0 and directory.exists():
-        shutil.rmtree(directory)
+        problem = checkpoint.verify(directory)
+        keep_existing = problem is None
+        if keep_existing:
+            log.info("checkpoint %s is complete and intact: kept, not written again", directory)
+            atomic_write_text(root / checkpoint.LATEST, directory.name + "\n")
+        else:
+            log.warning("replacing the unusable checkpoint %s (%s)", directory, problem)
+            shutil.rmtree(directory)
+    if comm.bcast(keep_existing, root=0):
+        seconds = float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        return directory, seconds, 0
     comm.Barrier()
     files: dict[str, dict[str, int]] = {}
     for slot in pipeline_stage.slots if writes_layers else []:
