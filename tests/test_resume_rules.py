@@ -197,3 +197,24 @@ def test_overwrite_names_everything_it_removes(
     assert f"{cfg.run_dir / 'checkpoint'}/ (checkpoints: step_2, step_10)" in said
     assert not (cfg.run_dir / "run.h5").exists() and not (cfg.run_dir / "checkpoint").exists()
     assert (cfg.run_dir / "job.sbatch").is_file()  # not named, not removed
+
+
+def test_restored_costs_follow_the_microbatches_each_replica_runs(tmp_path):
+    """Issue 42, defect 7: a cost is seconds per step of one replica (``M / R``
+    microbatches). Saved on 2 replicas of M=4 and resumed on 1 replica, each layer costs twice
+    as much per step; the first decisions after the resize must see that."""
+    from dynmo_hpc.checkpoint.resume import restored_costs
+    from tests.helpers.jobs import tiny_config
+
+    state = {
+        "num_replicas": 2,
+        "config": {"train": {"num_microbatches": 4}},
+        "balancer": {"costs_s": [1.0, 2.0, 3.0]},
+    }
+    one = tiny_config(tmp_path, "pipeline.replicas=1", "train.num_microbatches=4")
+    assert restored_costs(one, state) == [2.0, 4.0, 6.0]
+    two = tiny_config(tmp_path, "pipeline.replicas=2", "train.num_microbatches=8")
+    assert restored_costs(two, state) == [2.0, 4.0, 6.0]
+    same = tiny_config(tmp_path, "pipeline.replicas=2", "train.num_microbatches=4")
+    assert restored_costs(same, state) == [1.0, 2.0, 3.0]
+    assert restored_costs(same, {"balancer": {"costs_s": None}}) is None

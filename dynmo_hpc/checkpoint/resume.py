@@ -203,6 +203,28 @@ def resume_partition(cfg: JobConfig, state: dict[str, Any]) -> list[int]:
     return uniform([1.0] * cfg.model.num_layers, num_stages)
 
 
+def restored_costs(cfg: JobConfig, state: dict[str, Any]) -> list[float] | None:
+    """The saved smoothed per-layer costs, in this job's scale (None when none were saved).
+
+    A cost is seconds per step of one replica, which runs ``train.num_microbatches /
+    pipeline.replicas`` microbatches; after a change of either (a pack that dropped replicas,
+    an accepted change of the batch) the saved costs are scaled by the ratio of microbatches
+    per replica now to then, so the first decisions after the resume price the gain of a
+    rebalance at the step they will run (not at 1/2 of it after 2 -> 1 replicas).
+
+    Example: costs [1.0, 2.0] saved with 2 replicas of 4 microbatches resume on 1 replica as
+    [2.0, 4.0]."""
+    costs = (state.get("balancer") or {}).get("costs_s")
+    if not costs:
+        return None
+    saved_replicas = int(state.get("num_replicas") or 1)
+    saved_train = (state.get("config") or {}).get("train") or {}
+    saved_microbatches = int(saved_train.get("num_microbatches") or cfg.train.num_microbatches)
+    now = cfg.train.num_microbatches / cfg.pipeline.replicas
+    scale = now / (saved_microbatches / saved_replicas)
+    return [float(c) * scale for c in costs]
+
+
 @dataclass(frozen=True)
 class Restored:
     """What a rank learned from the checkpoint it resumed from."""

@@ -194,7 +194,7 @@ class Trainer:
         bandwidth = self.comm.allreduce(bandwidth, op=MPI.MIN)
         tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
         balancer = state.get("balancer", {}) if state else {}
-        tracker.costs_s = balancer.get("costs_s")
+        tracker.costs_s = resume.restored_costs(cfg, state) if state else None
         report_state = ReportState(
             parts=parts,
             tracker=tracker,
