@@ -318,7 +318,8 @@ class Trainer:
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)
         self.pipeline_stage.optimizer_step(lr, coefficient)
-        scheme_events = self.schemes.step_end(step, slots, self.groups.pipeline.allgather)
+        replicas = self.groups.data.allgather if topo.num_replicas > 1 else None
+        scheme_events = self.schemes.step_end(step, slots, self.groups.pipeline.allgather, replicas)
         self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
 
         cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
