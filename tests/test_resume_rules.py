@@ -218,3 +218,34 @@ def test_restored_costs_follow_the_microbatches_each_replica_runs(tmp_path):
     same = tiny_config(tmp_path, "pipeline.replicas=2", "train.num_microbatches=4")
     assert restored_costs(same, state) == [1.0, 2.0, 3.0]
     assert restored_costs(same, {"balancer": {"costs_s": None}}) is None
+
+
+def test_free_changes_that_are_not_bitwise_are_logged_as_config_change(tmp_path):
+    """Issue 42, defect 9: a resume onto another replica count, device or bucket size keeps the
+    math but not its bits; it is logged as a ``config_change``; a stage count change is not."""
+    from dynmo_hpc.checkpoint.resume import config_dict
+    from dynmo_hpc.checkpoint.resume_events import log_config_changes
+    from dynmo_hpc.config.resume_rules import is_bitwise
+    from tests.helpers.jobs import tiny_config
+
+    class Writer:
+        def __init__(self):
+            self.events = []
+
+        def log_event(self, *, step, kind, detail):
+            self.events.append((step, kind, detail))
+
+    saved = tiny_config(tmp_path)
+    state = {"step": 2, "config": config_dict(saved)}
+    now = tiny_config(tmp_path, "pipeline.replicas=2", "pipeline.grad_bucket_mb=1.0")
+    writer = Writer()
+    log_config_changes(writer, now, state, 2)
+    ((step, kind, detail),) = writer.events
+    assert (step, kind) == (2, "config_change")
+    keys = {c["key"]: c["rule"] for c in detail["changes"]}
+    assert keys == {"pipeline.replicas": "free", "pipeline.grad_bucket_mb": "free"}
+    restaged = Writer()
+    log_config_changes(restaged, tiny_config(tmp_path, "pipeline.num_stages=3"), state, 2)
+    assert restaged.events == []
+    assert not is_bitwise("runtime.device") and is_bitwise("pipeline.num_stages")
+    assert not is_bitwise("train.lr")
