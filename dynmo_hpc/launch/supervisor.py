@@ -232,13 +232,20 @@ def _fall_back(
     pipe, pre = cfg.pipeline, unpacked.pipeline
     packed, before = _size(pipe.replicas, pipe.num_stages), _size(pre.replicas, pre.num_stages)
     elastic = _raised_floors(unpacked, pipe.replicas, pipe.num_stages)
-    floors = f"elastic.min_replicas={elastic.min_replicas} elastic.min_stages={elastic.min_stages}"
+    floors = " ".join(
+        f"elastic.{name}={value}"
+        for name, value, lowered in (
+            ("min_replicas", elastic.min_replicas, pipe.replicas < pre.replicas),
+            ("min_stages", elastic.min_stages, pipe.num_stages < pre.num_stages),
+        )
+        if lowered
+    )
     what = f"the packed step ({packed}) ran out of memory on rank {oom.get('rank')}"
     if can_run is None or not can_run(unpacked):
         why = (
-            f"{what}, and the nodes of the size before the pack ({before}) were released, so "
-            f"it cannot fall back: resume from the newest checkpoint at {before} with "
-            f"{floors} (or give each node more memory)"
+            f"{what}, and the nodes of the {before} before the pack were released, so it "
+            f"cannot fall back: resume from the newest checkpoint on {before} with {floors} "
+            "(or give each node more memory)"
         )
         log.error("%s", why)
         add_pending_failure(cfg.run_dir, {**record, "restarted": False, "out_of_memory": oom})
