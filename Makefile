@@ -8,6 +8,9 @@ JOB ?= jobs/elastic.yaml
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
+MPICH_VENV := .venv-mpich
+MPICH_PY := $(MPICH_VENV)/bin/python
+MPICH_STAMP := $(MPICH_VENV)/.installed
 # The pure modules (no MPI, torch.distributed, subprocess or h5py): kept clean under mypy --strict.
 TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_hpc/atomic_io.py \
 	dynmo_hpc/checkpoint/lineage.py dynmo_hpc/checkpoint/manifest.py \
@@ -24,7 +27,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/calibrate/short_runs.py dynmo_hpc/bench/scripts.py \
 	dynmo_hpc/calibrate/cost_fit.py dynmo_hpc/calibrate/cost_measure.py
 
-.PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env slurm-up slurm-down clean
+.PHONY: venv run test test-gpu test-fast lint typecheck format bench bench-env mpich-env slurm-up slurm-down clean
 
 venv: $(STAMP)
 
@@ -88,6 +91,27 @@ $(BENCH_STAMP): requirements-bench.txt
 	$(BENCH_PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	DS_ACCELERATOR=cpu $(BENCH_PY) -c 'from deepspeed.runtime.utils import partition_balanced'
 	@touch $(BENCH_STAMP)
+
+# The MPICH tier's env (tests/test_mpich.py): .venv plus the PyPI mpich wheel, kept apart so
+# that .venv stays on Open MPI. As for bench-env, a .pth file adds .venv's site-packages after
+# its own, so torch, mpi4py and this checkout's editable install come from .venv; only MPICH is
+# installed here (about 3 s from the pip cache). How mpi4py picks the MPI: its binary wheel holds
+# one extension per MPI ABI and dlopens the first libmpi.so, libmpi.so.12 (MPICH) or
+# libmpi.so.40 (Open MPI) in the running environment's lib/ (sys.exec_prefix; MPI4PY_LIBMPI
+# overrides the search), so under .venv-mpich/bin/python it loads .venv-mpich/lib's MPICH, and
+# the local launcher takes the mpiexec (Hydra) beside that Python. The last line checks both.
+mpich-env: $(MPICH_STAMP)
+
+$(MPICH_STAMP): requirements-mpich.txt
+	@test -f $(STAMP) || $(MAKE) venv
+	@test -x $(MPICH_PY) || $(PYTHON) -m venv --without-pip $(MPICH_VENV)
+	@main_site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	mpich_site=$$($(MPICH_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	echo "import site; site.addsitedir('$$main_site')" > "$$mpich_site/dynmo_main_env.pth"
+	$(MPICH_PY) -m pip install --quiet -r requirements-mpich.txt
+	$(MPICH_VENV)/bin/mpiexec -n 1 $(MPICH_PY) -c \
+		'from mpi4py import MPI; assert MPI.Get_library_version().startswith("MPICH")'
+	@touch $(MPICH_STAMP)
 
 slurm-up: $(STAMP)
 	bash scripts/slurm_cluster.sh up

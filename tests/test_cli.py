@@ -118,3 +118,18 @@ def test_a_usage_error_is_one_line_with_a_hint():
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert out.stderr.startswith("error: dynmo-hpc plan: argument --stages: invalid int value")
     assert "HINT: see dynmo-hpc plan --help" in out.stderr
+
+
+def test_printing_an_sbatch_script_leaves_the_runs_config_alone(tmp_path):
+    """Issue 42, defect 5: ``dynmo-hpc sbatch`` without ``--submit`` rewrote the run
+    directory's ``config.yaml``, which a queued or requeued job of that name reloads."""
+    out_dir = f"job.out_dir={tmp_path}"
+    first = dynmo("sbatch", "jobs/default.yaml", "--set", out_dir)
+    assert first.returncode == 0, first.stderr
+    config = tmp_path / "default" / "config.yaml"
+    assert "wrote" in first.stderr and "lr: 0.123" not in config.read_text()
+    before = config.read_text()
+    look = dynmo("sbatch", "jobs/default.yaml", "--set", out_dir, "--set", "train.lr=0.123")
+    assert look.returncode == 0, look.stderr
+    assert "#SBATCH" in look.stdout and "left as it is" in look.stderr
+    assert config.read_text() == before

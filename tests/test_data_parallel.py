@@ -199,3 +199,25 @@ def test_a_scheme_with_replicas_is_bitwise_the_reference(out_dir):
 
 if __name__ == "__main__":
     rank_program.train_all(runs(Path(sys.argv[1])))
+
+
+def test_a_replica_divergence_stops_the_job_at_the_next_load_report(tmp_path, capfd):
+    """Issue 42, defect 9: agreement was checked only at checkpoints, so a run with none
+    trained to the end on diverged replicas. Rank 1 (replica 1) nudges a weight after step 0;
+    the load report after step 1 must stop the job, naming the disagreement."""
+    from dynmo_hpc.launch.local import run_local
+
+    cfg = tiny_config(
+        tmp_path,
+        "pipeline.num_stages=1",
+        "pipeline.replicas=2",
+        "train.num_microbatches=2",
+        "fault.inject_step=0",
+        "fault.inject_rank=1",
+        "fault.inject_action=diverge",
+        "fault.max_restarts=0",
+    )
+    assert (cfg.checkpoint.every_steps, cfg.checkpoint.at_end) == (0, False)
+    outcome = run_local(cfg, timeout_s=180)
+    assert outcome.exit_code != 0 and not (cfg.run_dir / "result.json").exists()
+    assert "the replicas' layers differ (weight sums by replica" in capfd.readouterr().err

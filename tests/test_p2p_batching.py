@@ -160,3 +160,12 @@ def test_torch_p2p_pipeline_matches_reference(tmp_path, schedule):
         f"job.name=torch_p2p_{schedule}",
     )
     assert_losses_close(run_job(cfg)["losses"], train_reference(cfg).losses, rel=1e-5)
+
+
+def test_each_replicas_rendezvous_is_on_its_own_rank_0s_host():
+    """Issue 42, defect 2: with ``MASTER_ADDR`` exported (the job's first node), a replica
+    whose pipeline group starts on another node must meet there, not at ``MASTER_ADDR``."""
+    env = {"MASTER_ADDR": "node01"}
+    assert rendezvous_address(["node01", "node02"], env, leads_job=True) == "node01"
+    assert rendezvous_address(["node03", "node04"], env, leads_job=False) == "node03"
+    assert rendezvous_address(["node03", "node03"], env, leads_job=False) == "127.0.0.1"

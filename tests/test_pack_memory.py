@@ -117,3 +117,32 @@ def test_a_last_stage_layer_moved_to_stage_0_is_priced_at_p_microbatches():
     assert in_flight == 3 and priced[-1] == pytest.approx(100 + 3 * 20)
     main_estimate = 100 * max(1.0, 240 / 200)  # state x the last stage's peak / state
     assert priced[-1] > main_estimate
+
+
+def test_a_changed_num_microbatches_keeps_the_pack_decision_running(tmp_path):
+    """Issue 42, defect 3: a checkpoint of a 4-replica job carries ``original_replicas=4``;
+    resumed with an accepted ``train.num_microbatches=6`` on 2 replicas, the next pack decision
+    raised ``ValueError original_replicas=4 must ... divide num_microbatches=6``. The reference
+    size becomes the largest runnable one (3 replicas)."""
+    cfg = tiny_config(
+        tmp_path,
+        "pipeline.replicas=2",
+        "train.num_microbatches=6",
+        "elastic.enabled=true",
+        "elastic.interval=1",
+        "train.steps=20",
+    )
+    packer = pack_inputs.PackController(cfg, world_size=4, num_nodes=1, device=torch.device("cpu"))
+    packer.restore({"original_stages": 2, "original_replicas": 4, "correction": 1.0})
+    assert packer.history.original_replicas == 3
+    report = _report([100] * 6, [1000, 1000])
+    plan = packer.consider(
+        report,
+        [0.1] * 6,
+        [0, 3, 6],
+        bandwidth_bytes_per_s=1e9,
+        measured_step_s=1.0,
+    )
+    assert plan is not None and plan.candidates
+    assert pack_inputs.runnable_replicas(4, 1, 5) == 1
+    assert pack_inputs.runnable_replicas(2, 2, 6) == 2

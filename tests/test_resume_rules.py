@@ -196,3 +196,55 @@ def test_overwrite_names_everything_it_removes(
     assert f"{cfg.run_dir / 'checkpoint'}/ (checkpoints: step_2, step_10)" in said
     assert not (cfg.run_dir / "run.h5").exists() and not (cfg.run_dir / "checkpoint").exists()
     assert (cfg.run_dir / "job.sbatch").is_file()  # not named, not removed
+
+
+def test_restored_costs_follow_the_microbatches_each_replica_runs(tmp_path):
+    """Issue 42, defect 7: a cost is seconds per step of one replica (``M / R``
+    microbatches). Saved on 2 replicas of M=4 and resumed on 1 replica, each layer costs twice
+    as much per step; the first decisions after the resize must see that."""
+    from dynmo_hpc.checkpoint.resume import restored_costs
+    from tests.helpers.jobs import tiny_config
+
+    state = {
+        "num_replicas": 2,
+        "config": {"train": {"num_microbatches": 4}},
+        "balancer": {"costs_s": [1.0, 2.0, 3.0]},
+    }
+    one = tiny_config(tmp_path, "pipeline.replicas=1", "train.num_microbatches=4")
+    assert restored_costs(one, state) == [2.0, 4.0, 6.0]
+    two = tiny_config(tmp_path, "pipeline.replicas=2", "train.num_microbatches=8")
+    assert restored_costs(two, state) == [2.0, 4.0, 6.0]
+    same = tiny_config(tmp_path, "pipeline.replicas=2", "train.num_microbatches=4")
+    assert restored_costs(same, state) == [1.0, 2.0, 3.0]
+    assert restored_costs(same, {"balancer": {"costs_s": None}}) is None
+
+
+def test_free_changes_that_are_not_bitwise_are_logged_as_config_change(tmp_path):
+    """Issue 42, defect 9: a resume onto another replica count, device or bucket size keeps the
+    math but not its bits; it is logged as a ``config_change``; a stage count change is not."""
+    from dynmo_hpc.checkpoint.resume import config_dict
+    from dynmo_hpc.checkpoint.resume_events import log_config_changes
+    from dynmo_hpc.config.resume_rules import is_bitwise
+    from tests.helpers.jobs import tiny_config
+
+    class Writer:
+        def __init__(self):
+            self.events = []
+
+        def log_event(self, *, step, kind, detail):
+            self.events.append((step, kind, detail))
+
+    saved = tiny_config(tmp_path)
+    state = {"step": 2, "config": config_dict(saved)}
+    now = tiny_config(tmp_path, "pipeline.replicas=2", "pipeline.grad_bucket_mb=1.0")
+    writer = Writer()
+    log_config_changes(writer, now, state, 2)
+    ((step, kind, detail),) = writer.events
+    assert (step, kind) == (2, "config_change")
+    keys = {c["key"]: c["rule"] for c in detail["changes"]}
+    assert keys == {"pipeline.replicas": "free", "pipeline.grad_bucket_mb": "free"}
+    restaged = Writer()
+    log_config_changes(restaged, tiny_config(tmp_path, "pipeline.num_stages=3"), state, 2)
+    assert restaged.events == []
+    assert not is_bitwise("runtime.device") and is_bitwise("pipeline.num_stages")
+    assert not is_bitwise("train.lr")

@@ -35,6 +35,8 @@ GOLDEN_PARAMS: dict[str, Any] = {
     "nodes": 4,
     "tasks_per_node": 2,
     "gpus_per_node": 2,
+    "gpu_bind": "single:1",
+    "nccl_defaults": True,
     "cpus_per_task": 4,
     "time_min": 90,
     "partition": "gpu",
@@ -218,3 +220,39 @@ def test_resume_from_reaches_the_manager_quoted_and_only_when_given() -> None:
     assert text.count("exec ") == 1
     with pytest.raises(SbatchOptionError, match="resume_from"):
         render_sbatch(**MINIMAL, resume_from="")
+
+
+def test_mpich_gets_no_open_mpi_variables_and_its_own_srun_plugin() -> None:
+    """The exported variables and ``srun --mpi=`` follow the MPI implementation and
+    ``slurm.mpi``: PMIx and Open MPI's workarounds only with Open MPI."""
+    from dynmo_hpc.slurm.step import srun_mpi_plugin
+
+    mpich = render_sbatch(**MINIMAL, launcher="srun", mpi_implementation="mpich")
+    assert "SLURM_MPI_TYPE=pmi2" in mpich
+    assert "OMPI_" not in mpich and "PMIX_" not in mpich
+    looped = slurm_mpi_env("srun", loopback_only=True, implementation="mpich", mpi="cray_shasta")
+    assert looped == {"SLURM_MPI_TYPE": "cray_shasta"}
+    openmpi = slurm_mpi_env("srun", implementation="openmpi")
+    assert openmpi["SLURM_MPI_TYPE"] == "pmix" and openmpi["PMIX_MCA_gds"] == "hash"
+    assert "SLURM_MPI_TYPE" not in slurm_mpi_env("mpirun", implementation="mpich")
+    assert mpi_step_argv("srun", ["py"], srun_mpi="pmi2")[:2] == ["srun", "--mpi=pmi2"]
+    assert srun_mpi_plugin("none", "openmpi") == "none"
+    with pytest.raises(SbatchOptionError, match="Open MPI 5 is not built with SLURM's PMI-2"):
+        render_sbatch(**MINIMAL, mpi="pmi2", mpi_implementation="openmpi")
+    with pytest.raises(SbatchOptionError, match="mpi='pmi3' must be one of auto, pmix"):
+        render_sbatch(**MINIMAL, mpi="pmi3")
+    with pytest.raises(SbatchOptionError, match="mpi_implementation='lam'"):
+        render_sbatch(**MINIMAL, mpi_implementation="lam")
+
+
+def test_gpus_are_asked_for_one_way_and_bound_one_per_rank() -> None:
+    from dynmo_hpc.slurm.sbatch import gpu_request
+
+    assert gpu_request("cuda", 4)["gpus_per_task"] == 0
+    text = render_sbatch(**MINIMAL, **gpu_request("cuda", 0))
+    assert "#SBATCH --gpus-per-task=1\n#SBATCH --gpu-bind=single:1\n" in text
+    assert 'TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"' in text
+    cpu = render_sbatch(**MINIMAL, **gpu_request("cpu", 0))
+    assert "gpu" not in cpu and "NCCL" not in cpu
+    with pytest.raises(SbatchOptionError, match="ask for GPUs one way"):
+        render_sbatch(**MINIMAL, gpus_per_node=2, gpus_per_task=1)

@@ -94,3 +94,28 @@ def test_incompatible_schemes_are_rejected(tmp_path):
         scheme_config(tmp_path, None, "schemes.early_exit={}", "schemes.mod={}")
     with pytest.raises(config_mod.ConfigError, match="make the two layer lists disjoint"):
         scheme_config(tmp_path, None, "schemes.mod={}", "schemes.sparse_attention.block_size=8")
+
+
+def test_scheme_stats_add_up_every_replicas_counts(tmp_path):
+    """Issue 42, defect 8: with 2 replicas each runs half the batch; the ``scheme_stats``
+    counts (MoE expert assignments here) must be the whole batch's, not replica 0's."""
+    from types import SimpleNamespace
+
+    from dynmo_hpc.model.schemes import take_counters
+
+    cfg = scheme_config(tmp_path, "moe", "pipeline.replicas=2")
+    module = build_layer(cfg, 1)
+    module.mlp.stats.update({"expert_0": 3.0, "expert_1": 5.0})  # the MoE router's counts
+    # the other replica's copy of layer 1 counted one token per expert
+    other = {
+        1: {where: dict.fromkeys(v, 1.0) for where, v in take_counters(module, clear=False).items()}
+    }
+    events = SchemeController(cfg).step_end(
+        cfg.train.steps - 1,  # the last step always reports
+        [SimpleNamespace(index=1, module=module)],
+        lambda mine: [mine],  # the pipeline: one stage here
+        lambda mine: [mine, other],  # this stage in both replicas
+    )
+    (stats,) = [e["layers"]["1"] for e in events if e["kind"] == "scheme_stats"]
+    counts = {k.rpartition(".")[2]: v for k, v in stats.items() if "expert_" in k}
+    assert counts == {"expert_0": 4.0, "expert_1": 6.0}

@@ -46,3 +46,38 @@ def test_environment_after_a_shrink_reads_back_as_the_smaller_job():
     assert env.node_list == ("node1", "node4") and env.num_nodes == 2
     assert env.num_tasks is None and env.tasks_per_node is None
     assert env.cpus_per_node == (2, 1)
+
+
+def _fake_slurm(monkeypatch, squeue_node_lists):
+    """scontrol times out; each squeue call answers the next node list."""
+    import subprocess
+
+    from dynmo_hpc.slurm import resize
+    from dynmo_hpc.slurm.scheduler import SlurmTimeout
+
+    answers = iter(squeue_node_lists)
+
+    def run(argv, **kw):
+        if argv[0] == "scontrol":
+            raise SlurmTimeout("scontrol update ... did not answer in 60 s")
+        return subprocess.CompletedProcess(argv, 0, stdout=next(answers) + "\n", stderr="")
+
+    monkeypatch.setattr(resize, "run_command", run)
+
+
+def test_an_scontrol_timeout_is_not_a_refusal_once_the_shrink_shows(monkeypatch, tmp_path):
+    """Issue 42, defect 6: scontrol timed out but SLURM applied the shrink (late): the shrink
+    succeeded, so the manager updates its environment instead of going on with the old list."""
+    from dynmo_hpc.slurm.resize import shrink_job
+
+    _fake_slurm(monkeypatch, ["node[1-4]", "node[1-2]"])
+    assert shrink_job(7, ["node1", "node2"], tmp_path, confirm_s=5, poll_s=0.01) >= 0.0
+
+
+def test_an_scontrol_timeout_with_no_shrink_is_refused_naming_the_nodes(monkeypatch, tmp_path):
+    from dynmo_hpc.errors import SubmitError
+    from dynmo_hpc.slurm.resize import shrink_job
+
+    _fake_slurm(monkeypatch, ["node[1-4]"] * 1000)
+    with pytest.raises(SubmitError, match=r"still held node1,node2,node3,node4 .* HINT"):
+        shrink_job(7, ["node1", "node2"], tmp_path, confirm_s=0.05, poll_s=0.01)

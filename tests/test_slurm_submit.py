@@ -587,3 +587,36 @@ def test_failed_requeue_names_the_command_that_continues_the_run(
         assert manager.requeue(12, "runs/my job/config.yaml") is False
     assert "presently disabled" in caplog.text
     assert "dynmo-hpc sbatch 'runs/my job/config.yaml' --submit --resume" in caplog.text
+
+
+GPU_GOLDEN = Path(__file__).parent / "golden" / "gpu_job.sbatch"
+
+
+def test_the_gpu_job_renders_its_gpu_request_and_nccl_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Golden file: ``dynmo-hpc sbatch jobs/gpu.yaml`` (no GPU needed to render): GPUs per
+    node, one bound to each rank, the NCCL defaults, the MPI of the venv (Open MPI here)."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(
+        ["sbatch", str(ROOT / "jobs" / "gpu.yaml"), "--set", "slurm.venv=/opt/venvs/dynmo"],
+        capsys,
+    )
+    assert rc == 0, err
+    for line in ("--gpus-per-node=4", "--gpu-bind=single:1", "SLURM_MPI_TYPE=pmix"):
+        assert line in out, line
+    assert 'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"' in out
+    text = out.replace(str(tmp_path), "<TMP>")
+    if os.environ.get("DYNMO_REGEN_GOLDEN") == "1":
+        GPU_GOLDEN.write_text(text)
+    assert text == GPU_GOLDEN.read_text(), "regenerate with DYNMO_REGEN_GOLDEN=1 and review"
+    cfg = config_mod.load(ROOT / "jobs" / "gpu.yaml", [f"job.out_dir={tmp_path}"])
+    params = executor_parameters(cfg)
+    assert params["gpus_per_node"] == 4
+    assert params["additional_parameters"]["gpu-bind"] == "single:1"
+    one_per_task = config_mod.load(
+        ROOT / "jobs" / "gpu.yaml", [f"job.out_dir={tmp_path}", "slurm.gpus_per_node=0"]
+    )
+    assert "#SBATCH --gpus-per-task=1\n" in render_sbatch(
+        **sbatch_parameters_for(one_per_task, tmp_path / "c.yaml")
+    )

@@ -118,3 +118,50 @@ def test_an_interrupted_step_is_neither_restarted_nor_resized(tmp_path: Path) ->
 
     outcome = supervise(cfg, run_step, lambda _c: 0.0)
     assert len(calls) == 1 and outcome.interrupted == signal.SIGINT and not outcome.failures
+
+
+def test_an_oom_after_a_replica_only_pack_falls_back_to_a_valid_config(tmp_path: Path) -> None:
+    """Issue 42, defect 1: 2 x 2 -> 1 x 2 ran out of memory. The fallback is the 2 x 2 job
+    with a replica floor of 2 (not ``min_stages = 3`` on 2 stages, an invalid config), and the
+    next decision cannot choose 1 replica again."""
+    from dynmo_hpc.balance.step_model import smaller_sizes
+    from dynmo_hpc.handoff.resize import resized_config
+    from dynmo_hpc.launch.supervisor import _fall_back, _unpacked
+
+    cfg = tiny_config(tmp_path, "pipeline.replicas=2", "elastic.enabled=true")
+    assert (cfg.pipeline.replicas, cfg.pipeline.num_stages) == (2, 2)
+    parts = [0, 3, 6]
+    request = {"checkpoint": str(tmp_path / "ck"), "from_parts": parts}
+    unpacked = _unpacked(cfg, request)
+    packed = resized_config(cfg, 2, parts, 1)
+    fallback, why = _fall_back(packed, unpacked.cfg, {"rank": 1}, lambda c: True, {})
+    assert why == ""
+    fallback.validate()  # raised ConfigError: elastic.min_stages(3) > pipeline.num_stages(2)
+    assert (fallback.pipeline.replicas, fallback.pipeline.num_stages) == (2, 2)
+    assert (fallback.elastic.min_replicas, fallback.elastic.min_stages) == (2, 1)
+    sizes = smaller_sizes(
+        2,
+        2,
+        num_microbatches=4,
+        min_stages=fallback.elastic.min_stages,
+        min_replicas=fallback.elastic.min_replicas,
+        ranks_per_node=1,
+        num_layers=6,
+    )
+    assert sizes and all(r >= 2 for r, _ in sizes), sizes
+
+
+def test_an_oom_after_a_stage_pack_raises_the_stage_floor_only(tmp_path: Path) -> None:
+    """A pack 3 -> 2 stages (one replica) that ran out of memory: back to 3, min_stages 3."""
+    from dynmo_hpc.handoff.resize import resized_config
+    from dynmo_hpc.launch.supervisor import _fall_back, _unpacked
+
+    cfg = tiny_config(tmp_path, "pipeline.num_stages=3", "elastic.enabled=true")
+    unpacked = _unpacked(cfg, {"checkpoint": str(tmp_path / "ck"), "from_parts": [0, 2, 4, 6]})
+    packed = resized_config(cfg, 2, [0, 3, 6])
+    fallback, why = _fall_back(packed, unpacked.cfg, {"rank": 0}, lambda c: True, {})
+    assert why == ""
+    fallback.validate()
+    assert (fallback.elastic.min_replicas, fallback.elastic.min_stages) == (1, 3)
+    _, why = _fall_back(packed, unpacked.cfg, {"rank": 0}, None, {})
+    assert "3 stages" in why and "elastic.min_stages=3" in why, why

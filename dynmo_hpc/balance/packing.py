@@ -62,7 +62,7 @@ the layer lands. A candidate must
 - release at least one whole node (its ``R' x P'`` ranks at ``ranks_per_node`` ranks each;
   locally every rank is its own "node", i.e. ``ranks_per_node = 1``), never part of one;
 - fit every stage in memory (``capacity_bytes`` per stage);
-- not go below ``min_stages``;
+- not go below ``min_stages`` stages or ``min_replicas`` replicas;
 - keep its predicted tokens/s (corrected) at least ``(1 - max_slowdown) x reference``, under
   either policy.
 
@@ -213,6 +213,8 @@ class PackRequest:
     """``elastic.max_slowdown``: the throughput a pack may lose against the reference."""
     min_stages: int = 1
     """``elastic.min_stages``: never pack below this."""
+    min_replicas: int = 1
+    """``elastic.min_replicas``: never pack below this many replicas."""
     memory_bytes: CostsLike | None = None
     """Per layer: fixed bytes it holds on its stage (with ``capacity_bytes``)."""
     activation_bytes: CostsLike | None = None
@@ -396,6 +398,7 @@ def _smaller_candidates(
         current.num_stages,
         num_microbatches=r.num_microbatches,
         min_stages=r.min_stages,
+        min_replicas=r.min_replicas,
         ranks_per_node=r.ranks_per_node,
         num_layers=len(model.values),
     )

@@ -97,13 +97,14 @@ def smaller_sizes(
     min_stages: int,
     ranks_per_node: int,
     num_layers: int,
+    min_replicas: int = 1,
 ) -> list[tuple[int, int]]:
     """Every (replicas, stages) below the current size that releases a whole node: as many
-    replicas or fewer (dividing ``num_microbatches``: the global batch stays), as many stages
-    or fewer (down to ``min_stages``, at most one layer each)."""
+    replicas or fewer (down to ``min_replicas``, dividing ``num_microbatches``: the global
+    batch stays), as many stages or fewer (down to ``min_stages``, at most one layer each)."""
     nodes_now = nodes_for(num_replicas * num_stages, ranks_per_node)
     out = []
-    for r in range(num_replicas, 0, -1):
+    for r in range(num_replicas, max(min_replicas, 1) - 1, -1):
         if num_microbatches % r:
             continue
         for p in range(num_stages, max(min_stages, 1) - 1, -1):

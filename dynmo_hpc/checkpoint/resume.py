@@ -34,6 +34,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import partition, uniform
 from dynmo_hpc.balance.registry import INITIAL_ALGORITHM, STATIC
 from dynmo_hpc.checkpoint import store
@@ -202,6 +203,28 @@ def resume_partition(cfg: JobConfig, state: dict[str, Any]) -> list[int]:
     return uniform([1.0] * cfg.model.num_layers, num_stages)
 
 
+def restored_costs(cfg: JobConfig, state: dict[str, Any]) -> list[float] | None:
+    """The saved smoothed per-layer costs, in this job's scale (None when none were saved).
+
+    A cost is seconds per step of one replica, which runs ``train.num_microbatches /
+    pipeline.replicas`` microbatches; after a change of either (a pack that dropped replicas,
+    an accepted change of the batch) the saved costs are scaled by the ratio of microbatches
+    per replica now to then, so the first decisions after the resume price the gain of a
+    rebalance at the step they will run (not at 1/2 of it after 2 -> 1 replicas).
+
+    Example: costs [1.0, 2.0] saved with 2 replicas of 4 microbatches resume on 1 replica as
+    [2.0, 4.0]."""
+    costs = (state.get("balancer") or {}).get("costs_s")
+    if not costs:
+        return None
+    saved_replicas = int(state.get("num_replicas") or 1)
+    saved_train = (state.get("config") or {}).get("train") or {}
+    saved_microbatches = int(saved_train.get("num_microbatches") or cfg.train.num_microbatches)
+    now = cfg.train.num_microbatches / cfg.pipeline.replicas
+    scale = now / (saved_microbatches / saved_replicas)
+    return [float(c) * scale for c in costs]
+
+
 @dataclass(frozen=True)
 class Restored:
     """What a rank learned from the checkpoint it resumed from."""
@@ -277,8 +300,20 @@ def save(
     Every rank with ``writes_layers`` writes its own layers (with data-parallel replicas only
     replica 0's ranks do: each layer once, since the replicas hold identical copies); rank 0
     (which passes ``run_state``; the others pass None) then writes the run state and the
-    manifest, last, so the checkpoint is complete only once every file is. A stale directory
-    of the same step (a replay after a crash) is replaced.
+    manifest, last, so the checkpoint is complete only once every file is.
+
+    A directory of the same step already there is kept when it is a complete checkpoint that
+    verifies (every file's CRC-32): nothing is written, and ``latest`` is pointed at it. That
+    happens when a launch starts at the step of its newest checkpoint and saves it again (a
+    restart after a failure that came after the final checkpoint, ``--resume`` of a finished
+    run, a requeue of one); removing it before writing its replacement would lose the newest
+    checkpoint (with ``checkpoint.keep: 1`` the only one) to a kill or a full disk in between.
+    Keeping it loses nothing: a top-level checkpoint is of the current lineage (a resume from
+    an older one moves the newer ones under ``abandoned/``), and a step's weights, optimizer
+    state and data position are a pure function of the run's history up to that step (the
+    module docstring's invariant), so it holds what the ranks would write. Only an
+    incomplete or damaged directory (a replay after a crash mid-save) is removed and rewritten:
+    it holds nothing to lose.
     ``after_files`` runs once this rank's layer files are written (fault injection).
     ``parent`` (rank 0): the checkpoint this launch resumed from or wrote last, for the lineage
     record (:mod:`.lineage`).
@@ -286,8 +321,19 @@ def save(
     t0 = time.perf_counter()
     root = store.checkpoint_root(run_dir)
     directory = store.step_dir(root, step)
+    keep_existing = False
     if comm.rank == 0 and directory.exists():
-        shutil.rmtree(directory)
+        problem = store.verify(directory)
+        keep_existing = problem is None
+        if keep_existing:
+            log.info("checkpoint %s is complete and intact: kept, not written again", directory)
+            atomic_write_text(root / store.LATEST, directory.name + "\n")
+        else:
+            log.warning("replacing the unusable checkpoint %s (%s)", directory, problem)
+            shutil.rmtree(directory)
+    if comm.bcast(keep_existing, root=0):
+        seconds = float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        return directory, seconds, 0
     comm.Barrier()
     files: dict[str, dict[str, int]] = {}
     for slot in pipeline_stage.slots if writes_layers else []:

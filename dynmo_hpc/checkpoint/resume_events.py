@@ -12,7 +12,7 @@ from typing import Any
 
 from dynmo_hpc.checkpoint import resume, store
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.config.resume_rules import KeyRule
+from dynmo_hpc.config.resume_rules import is_bitwise
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,13 @@ def log_skipped_checkpoints(writer: Any, chosen: Path, step: int) -> None:
 
 
 def log_config_changes(writer: Any, cfg: JobConfig, state: dict[str, Any], step: int) -> None:
-    """Log (and record as a ``config_change`` event) each change that alters the training math
-    or length since the checkpoint: the launcher refused those not allowed (``--allow-change``),
-    so every one logged here applies from this step on."""
+    """Log (and record as a ``config_change`` event) each change that alters the training math,
+    its length or its bits since the checkpoint: the launcher refused those not allowed
+    (``--allow-change``), so every one logged here applies from this step on. A FREE change is
+    logged when it is not bit-exact (:data:`~dynmo_hpc.config.resume_rules.NOT_BITWISE`:
+    replicas, device, gradient buckets), with its rule ``free``."""
     verdict = resume.judge(cfg, state)
-    changes = [c for c in verdict.accepted + verdict.passed if c.rule is not KeyRule.FREE]
+    changes = [c for c in verdict.accepted + verdict.passed if not is_bitwise(c.key)]
     if not changes:
         return
     detail = {

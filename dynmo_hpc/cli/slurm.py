@@ -117,11 +117,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         resume_from = str(resolve_resume(cfg, args.resume, args.allow_change, out).resolve())
     config_path = cfg.run_dir / "config.yaml"
     script = render_sbatch(**sbatch_parameters_for(cfg, config_path), resume_from=resume_from)
-    prepare_run_dir(cfg)
     if not args.submit:
         print(script, end="")
-        print(f"# wrote {config_path}, which this script runs", file=sys.stderr)
+        print(_review_note(cfg, config_path), file=sys.stderr)
         return 0
+    prepare_run_dir(cfg)
     script_path = cfg.run_dir / "job.sbatch"
     script_path.write_text(script)
     t0 = time.perf_counter()
@@ -133,6 +133,23 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         return 0
     state = wait_for_sbatch_job(job_id)
     return _report(str(job_id), state, time.perf_counter() - t0, cfg.run_dir, out, err)
+
+
+def _review_note(cfg: config_mod.JobConfig, config_path: Path) -> str:
+    """Print for review writes the run directory's ``config.yaml`` only where there is none.
+
+    An existing one belongs to the run of that name: a queued or requeued job reloads it when
+    it starts, so rewriting it here would apply a ``--set`` typed only to look at the script
+    (without ``--allow-change``) and lose a packed job's size. ``--submit`` writes it."""
+    if not config_path.exists():
+        prepare_run_dir(cfg)
+        return f"# wrote {config_path}, which this script runs"
+    if config_path.read_text() == cfg.to_yaml():
+        return f"# {config_path}, which this script runs, is up to date"
+    return (
+        f"# {config_path} (the run's config, which this script runs) was left as it is and "
+        "differs from this job; --submit writes it"
+    )
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

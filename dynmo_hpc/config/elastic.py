@@ -29,7 +29,11 @@ class ElasticSection:
     """The largest predicted throughput loss a pack may cost against the reference, under
     either policy (0.1 = 10 %)."""
     min_stages: int = 1
-    """Never pack below this many stages (raised above a packed size that ran out of memory)."""
+    """Never pack below this many stages (raised above a packed stage count that ran out of
+    memory)."""
+    min_replicas: int = 1
+    """Never pack below this many replicas (raised above a packed replica count that ran out of
+    memory)."""
     interval: int = 2
     """Load reports between packing decisions."""
     restart_overhead_s: float | None = None
@@ -47,6 +51,8 @@ class ElasticSection:
             )
         if self.min_stages < 1:
             raise ConfigError(f"elastic.min_stages={self.min_stages} must be >= 1")
+        if self.min_replicas < 1:
+            raise ConfigError(f"elastic.min_replicas={self.min_replicas} must be >= 1")
         if self.interval < 1:
             raise ConfigError(f"elastic.interval={self.interval} must be >= 1 (load reports)")
         if self.restart_overhead_s is not None and not (

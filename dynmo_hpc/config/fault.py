@@ -20,7 +20,7 @@ FAULT_PHASES = ("step", "load_report", "migration", "checkpoint")
 """Where an injected fault can strike: mid-step, mid-load-report, mid-migration (after the
 first chunk has gone), mid-checkpoint (after this rank's layer files, before the manifest)."""
 
-INJECT_ACTIONS = ("signal", "hang", "corrupt", "raise", "kill_job")
+INJECT_ACTIONS = ("signal", "hang", "corrupt", "raise", "kill_job", "diverge")
 """How an injected fault fails (see :attr:`FaultSection.inject_action`)."""
 
 MAX_RESTARTS_LIMIT = 100
@@ -46,12 +46,14 @@ class FaultSection:
     """Test only: where in the step it fails (see ``FAULT_PHASES``)."""
     inject_signal: str = "SIGKILL"
     """Test only: the signal it sends itself (a name such as SIGKILL or SIGSEGV)."""
-    inject_action: Literal["signal", "hang", "corrupt", "raise", "kill_job"] = "signal"
+    inject_action: Literal["signal", "hang", "corrupt", "raise", "kill_job", "diverge"] = "signal"
     """Test only: ``signal`` (send ``inject_signal``; SIGTERM is the stop-and-checkpoint path),
     ``hang`` (freeze, SIGSTOP: its peers' ``phase_timeout_s`` must end the step), ``corrupt``
     (``migration`` only: flip a byte of a received chunk, as damage in transit would), ``raise``
     (an exception: the rank aborts with its traceback), ``kill_job`` (SIGKILL to the launcher's
-    whole process group, as a crashed node would end a local job, with no chance to save)."""
+    whole process group, as a crashed node would end a local job, with no chance to save),
+    ``diverge`` (``step`` only: nudge one weight of this rank's first layer after the optimizer
+    step, as a replica gone its own way would; the replica agreement check must stop the job)."""
     phase_timeout_s: float = 1800.0
     """A rank that spends longer than this in one phase (a step, a load report, a migration, a
     checkpoint) ends itself with exit code 124, so a hung peer or network cannot hang the job;

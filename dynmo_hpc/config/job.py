@@ -80,6 +80,12 @@ class JobConfig:
                 f"elastic.min_stages({self.elastic.min_stages}) > pipeline.num_stages"
                 f"({num_stages}): the job could never pack; HINT: lower elastic.min_stages"
             )
+        if self.elastic.enabled and self.elastic.min_replicas > self.pipeline.replicas:
+            raise ConfigError(
+                f"elastic.min_replicas({self.elastic.min_replicas}) > pipeline.replicas"
+                f"({self.pipeline.replicas}): the floor is above the job's size; HINT: lower "
+                "elastic.min_replicas"
+            )
         if self.balance.ab_period_steps and self.elastic.enabled:
             raise ConfigError(
                 f"balance.ab_period_steps={self.balance.ab_period_steps} (A/B within one run) "

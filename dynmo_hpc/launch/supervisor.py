@@ -12,8 +12,9 @@ only says how to start one step (:data:`RunStep`) and how to give nodes back (:d
   restarted from the newest complete checkpoint (or from the start when there is none yet), up
   to ``fault.max_restarts`` times. A packed step that ran out of memory (a rank wrote
   :data:`~dynmo_hpc.handoff.oom.OUT_OF_MEMORY`) is not restarted as it was: it falls back to the
-  pre-pack stage count and partition when the backend still holds them (``can_run``), packing no
-  further than above the size that failed, or the job stops with an error that says so. Each
+  pre-pack replica and stage counts and partition when the backend still holds them
+  (``can_run``), with ``elastic.min_stages`` / ``elastic.min_replicas`` raised above whichever
+  the failed pack lowered, or the job stops with an error that says so. Each
   failure is described from the launcher's report and the ranks' status files
   (:mod:`dynmo_hpc.launch.failure`), logged, and handed to the next step's rank 0 in
   ``failure_pending.json`` for the run log's ``failure`` events. The same failure twice in a
@@ -34,6 +35,7 @@ from typing import Any
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.checkpoint import lineage
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config.elastic import ElasticSection
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.handoff import rank_status
 from dynmo_hpc.handoff.failures import add_pending_event, add_pending_failure
@@ -225,36 +227,70 @@ def _fall_back(
     can_run: CanRun | None,
     record: dict[str, Any],
 ) -> tuple[JobConfig, str]:
-    """After a packed step ran out of memory: the pre-pack job (packing no further than above
-    the size that failed), or ``cfg`` and why the job stops."""
-    packed, before = cfg.pipeline.num_stages, unpacked.pipeline.num_stages
-    what = f"the packed step ({packed} stages) ran out of memory on rank {oom.get('rank')}"
+    """After a packed step ran out of memory: the pre-pack job, packing no further than above
+    the size that failed (:func:`_raised_floors`), or ``cfg`` and why the job stops."""
+    pipe, pre = cfg.pipeline, unpacked.pipeline
+    packed, before = _size(pipe.replicas, pipe.num_stages), _size(pre.replicas, pre.num_stages)
+    elastic = _raised_floors(unpacked, pipe.replicas, pipe.num_stages)
+    floors = " ".join(
+        f"elastic.{name}={value}"
+        for name, value, lowered in (
+            ("min_replicas", elastic.min_replicas, pipe.replicas < pre.replicas),
+            ("min_stages", elastic.min_stages, pipe.num_stages < pre.num_stages),
+        )
+        if lowered
+    )
+    what = f"the packed step ({packed}) ran out of memory on rank {oom.get('rank')}"
     if can_run is None or not can_run(unpacked):
         why = (
-            f"{what}, and the nodes of the {before} stages before the pack were released, so "
-            f"it cannot fall back: resume from the newest checkpoint on {before} stages with "
-            f"elastic.min_stages={packed + 1} (or give each node more memory)"
+            f"{what}, and the nodes of the {before} before the pack were released, so it "
+            f"cannot fall back: resume from the newest checkpoint on {before} with {floors} "
+            "(or give each node more memory)"
         )
         log.error("%s", why)
         add_pending_failure(cfg.run_dir, {**record, "restarted": False, "out_of_memory": oom})
         return cfg, why
-    elastic = dataclasses.replace(
-        unpacked.elastic, min_stages=max(unpacked.elastic.min_stages, packed + 1)
-    )
     fallback = dataclasses.replace(unpacked, elastic=elastic)
     log.warning(
-        "%s: falling back to the %d stages before the pack on partition %s, packing no "
-        "further than %d stages",
+        "%s: falling back to the size before the pack (%s) on partition %s, packing no "
+        "further than %s",
         what,
         before,
         fallback.pipeline.partition,
-        elastic.min_stages,
+        floors,
     )
     add_pending_failure(
         cfg.run_dir,
-        {**record, "restarted": True, "fallback_stages": before, "out_of_memory": oom},
+        {
+            **record,
+            "restarted": True,
+            "fallback_stages": pre.num_stages,
+            "fallback_replicas": pre.replicas,
+            "out_of_memory": oom,
+        },
     )
     return fallback, ""
+
+
+def _size(num_replicas: int, num_stages: int) -> str:
+    """``"3 stages"`` for one pipeline, ``"2 replicas x 2 stages"`` otherwise (messages)."""
+    if num_replicas == 1:
+        return f"{num_stages} stages"
+    return f"{num_replicas} replicas x {num_stages} stages"
+
+
+def _raised_floors(unpacked: JobConfig, packed_replicas: int, packed_stages: int) -> ElasticSection:
+    """The pre-pack job's ``elastic`` section with each floor the failed pack went below raised
+    just above it: ``min_stages`` when the pack took stages away, ``min_replicas`` when it took
+    replicas away (both when it did both: either may have caused the out-of-memory). A floor
+    is never raised above the pre-pack size, so the fallback's config stays valid."""
+    el, pre = unpacked.elastic, unpacked.pipeline
+    min_stages, min_replicas = el.min_stages, el.min_replicas
+    if packed_stages < pre.num_stages:
+        min_stages = max(min_stages, packed_stages + 1)
+    if packed_replicas < pre.replicas:
+        min_replicas = max(min_replicas, packed_replicas + 1)
+    return dataclasses.replace(el, min_stages=min_stages, min_replicas=min_replicas)
 
 
 def _resize(cfg: JobConfig, request: dict[str, Any], shrink: Shrink) -> JobConfig:

@@ -249,19 +249,26 @@ class StageLink:
         return len(self._sends)
 
 
-def rendezvous_address(hosts: Sequence[str], env: Mapping[str, str]) -> str:
-    """Where ranks reach rank 0's TCP store; pure. ``hosts``: every rank's host name as MPI or
-    SLURM knows it (``SLURMD_NODENAME``, else ``MPI_Get_processor_name``), in rank order.
+def rendezvous_address(
+    hosts: Sequence[str], env: Mapping[str, str], *, leads_job: bool = True
+) -> str:
+    """Where the ranks of one process group reach its rank 0's TCP store; pure. ``hosts``:
+    every rank's host name as MPI or SLURM knows it (``SLURMD_NODENAME``, else
+    ``MPI_Get_processor_name``), in the group's rank order. ``leads_job``: the group's rank 0 is
+    the job's rank 0 (false for the pipeline group of every replica but the first).
 
-    ``MASTER_ADDR`` if the user set one; ``127.0.0.1`` when all ranks share a host; else rank 0's
-    node name, which the other nodes resolve through the cluster's own name service. Never the
-    local resolution of our own host name: on many Linux hosts ``gethostbyname(gethostname())``
-    is 127.0.1.1 (a Debian /etc/hosts convention), unreachable from any other node. (The store
-    listens on all of rank 0's interfaces, so rank 0's own ranks reach it whatever the name
-    resolves to locally.)
+    ``MASTER_ADDR`` if the user set one and the group's rank 0 is the job's rank 0 (the
+    variable names that rank's host: a SLURM script commonly exports the first node); else
+    ``127.0.0.1`` when all the group's ranks share a host; else the group's rank 0's node name,
+    which the other nodes resolve through the cluster's own name service. So each replica's
+    group meets on its own rank 0's node, never on another replica's host where no store
+    listens. Never the local resolution of our own host name: on many Linux hosts
+    ``gethostbyname(gethostname())`` is 127.0.1.1 (a Debian /etc/hosts convention),
+    unreachable from any other node. (The store listens on all of rank 0's interfaces, so rank
+    0's own ranks reach it whatever the name resolves to locally.)
     """
     explicit = env.get("MASTER_ADDR", "").strip()
-    if explicit:
+    if explicit and leads_job:
         return explicit
     if len(set(hosts)) <= 1:
         return "127.0.0.1"
@@ -287,12 +294,13 @@ def init_torch_distributed(comm: MPI.Comm, backend: str) -> None:
     if dist.is_initialized():
         return
     hosts = comm.allgather(host_name())
+    leads_job = bool(comm.bcast(MPI.COMM_WORLD.Get_rank() == 0, root=0))
     port = None
     if comm.rank == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-    address = rendezvous_address(hosts, os.environ)
+    address = rendezvous_address(hosts, os.environ, leads_job=leads_job)
     port = comm.bcast(port, root=0)
     dist.init_process_group(
         backend,

@@ -247,15 +247,35 @@ def layers_digest(slots: Sequence[LayerSlot]) -> str:
     return h.hexdigest()
 
 
-def check_replicas_agree(comm: MPI.Comm, slots: Sequence[LayerSlot], stage: int) -> None:
+def layers_fingerprint(slots: Sequence[LayerSlot]) -> list[tuple[int, float]]:
+    """Per layer of the stage: its index and the float64 sum of its weights, computed where the
+    weights are (one number per layer leaves the device). Cheap enough for every load report;
+    replicas that agree hold bitwise-equal weights, so their sums are equal too."""
+    out = []
+    for slot in slots:
+        sums = [p.detach().double().sum() for p in slot.module.parameters()]
+        out.append((slot.index, float(torch.stack(sums).sum()) if sums else 0.0))
+    return out
+
+
+def check_replicas_agree(
+    comm: MPI.Comm, slots: Sequence[LayerSlot], stage: int, *, full: bool = True
+) -> None:
     """Raise on every copy of the stage if the replicas' layers differ (they must be identical:
-    same gradients, same optimizer step); collective over ``comm`` (the data communicator)."""
+    same gradients, same optimizer step); collective over ``comm`` (the data communicator).
+
+    ``full``: compare a digest of every weight and optimizer moment (:func:`layers_digest`, at
+    checkpoints); else the per-layer weight sums (:func:`layers_fingerprint`, at every load
+    report, so that a divergence is caught within ``balance.interval`` steps even in a run
+    with no periodic checkpoints)."""
     if comm.size == 1:
         return
-    digests = comm.allgather(layers_digest(slots))
-    if len(set(digests)) != 1:
+    mine: Any = layers_digest(slots) if full else layers_fingerprint(slots)
+    digests = comm.allgather(mine)
+    if any(d != digests[0] for d in digests):
+        shown = digests if full else [[f"{i}:{v!r}" for i, v in d] for d in digests]
         raise RuntimeError(
-            f"stage {stage}: the replicas' layers differ (digests by replica {digests}); "
-            "HINT: a bug in the gradient all-reduce or a scheme decided from one replica's "
-            "data alone; report it with the run log"
+            f"stage {stage}: the replicas' layers differ ({'digests' if full else 'weight sums'} "
+            f"by replica {shown}); HINT: a bug in the gradient all-reduce or a scheme decided "
+            "from one replica's data alone; report it with the run log"
         )

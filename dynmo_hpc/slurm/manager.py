@@ -42,6 +42,7 @@ from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.handoff.resize import ShrinkRefused
 from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.local import worker_argv
+from dynmo_hpc.launch.mpi_impl import detect
 from dynmo_hpc.launch.rundir import lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
 from dynmo_hpc.launch.supervisor import (
@@ -55,7 +56,7 @@ from dynmo_hpc.logging_utils import setup_logging
 from dynmo_hpc.placement import ranks_per_node
 from dynmo_hpc.slurm.environment import in_slurm_job, read_slurm_env
 from dynmo_hpc.slurm.resize import nodes_after_release, resized_env, shrink_job
-from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env
+from dynmo_hpc.slurm.step import mpi_step_argv, slurm_mpi_env, srun_mpi_plugin
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,8 @@ def _run_in_allocation(
         ranks_per_node=ranks_per_node(
             cfg.pipeline.world_size, first.num_nodes, first.tasks_per_node
         ),
+        implementation=detect(),
+        mpi=cfg.slurm.mpi,
     )
     resume, resume_from = _starting_checkpoint(cfg.run_dir, resume, first.job_id, resume_path)
     t0 = time.perf_counter()
@@ -251,6 +254,10 @@ class _AllocationSteps:
     slots: int
     """Task slots in the allocation as first held."""
     ranks_per_node: int
+    implementation: str = "openmpi"
+    """The MPI the ranks' mpi4py loads (:mod:`dynmo_hpc.launch.mpi_impl`)."""
+    mpi: str = "auto"
+    """``slurm.mpi``: the ``srun --mpi=`` plugin (auto: by implementation)."""
     resized: bool = False
     """A resize (a shrink, or a refused one) came since the last step started."""
 
@@ -290,10 +297,17 @@ class _AllocationSteps:
             num_nodes=min(held.num_nodes, nodes_for(num_ranks, self.ranks_per_node))
             if launch.resume_from is not None
             else None,
+            srun_mpi=srun_mpi_plugin(self.mpi, self.implementation),
+        )
+        mpi_env = slurm_mpi_env(
+            self.launcher,
+            loopback_only=self.loopback_only,
+            implementation=self.implementation,
+            mpi=self.mpi,
         )
         env = {
             **os.environ,
-            **slurm_mpi_env(self.launcher, loopback_only=self.loopback_only),
+            **mpi_env,
             LAUNCH_TIME_ENV: repr(time.time()),
             ATTEMPT_ENV: str(launch.attempt + 1000 * requeue_count()),
         }

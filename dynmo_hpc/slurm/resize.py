@@ -8,7 +8,8 @@ Any step still running on a released node is killed, so the MPI step must have e
 which re-exports the node list and counts and unsets the task counts; :func:`resized_env` does
 the same for the manager's own environment, so the next ``srun`` sees the smaller job.
 
-The choice and the environment are pure functions; :func:`shrink_job` is the one call out.
+The choice and the environment are pure functions; :func:`shrink_job` is the one call out
+(with its read-back of the node list after an scontrol that did not answer).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from dynmo_hpc.errors import SubmitError
 from dynmo_hpc.slurm.environment import expand_hostlist, expand_per_node_counts
-from dynmo_hpc.slurm.scheduler import run_command
+from dynmo_hpc.slurm.scheduler import SlurmTimeout, run_command
 
 UNSET_AFTER_RESIZE = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_TASKS_PER_NODE")
 """Variables SLURM's resize script unsets: they describe the allocation before the shrink."""
@@ -92,18 +93,40 @@ def resized_env(environ: Mapping[str, str], kept: Sequence[str]) -> dict[str, st
     return changes
 
 
-def shrink_job(job_id: int, kept: Sequence[str], workdir: Path) -> float:
+def shrink_job(
+    job_id: int,
+    kept: Sequence[str],
+    workdir: Path,
+    *,
+    confirm_s: float = 60.0,
+    poll_s: float = 2.0,
+) -> float:
     """``scontrol update JobId=<id> NodeList=<kept>``; returns the seconds it took.
 
     Run in ``workdir`` (the run directory), where scontrol leaves its
     ``slurm_job_<id>_resize.sh``/``.csh`` for anyone who wants the environment in a shell.
+    An scontrol that does not answer in time is not a refusal: slurmctld may apply the update
+    late, and a job that then went on with its old node list would launch on released nodes.
+    So the job's node list is read back (``squeue``) every ``poll_s`` for up to ``confirm_s``;
+    the shrink counts as done once the job holds exactly ``kept``.
 
     Raises:
-        SubmitError: scontrol refused (the message is SLURM's, with a HINT).
+        SubmitError: scontrol refused, or did not answer and the job still held other nodes
+            after ``confirm_s`` (the message is SLURM's, with a HINT).
     """
     t0 = time.perf_counter()
     argv = ["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(kept)}"]
-    out = run_command(argv, cwd=workdir)
+    try:
+        out = run_command(argv, cwd=workdir)
+    except SlurmTimeout as exc:
+        held = _held_after(job_id, kept, confirm_s=confirm_s, poll_s=poll_s)
+        if held == list(kept):
+            return time.perf_counter() - t0
+        raise SubmitError(
+            f"{exc}; job {job_id} still held {','.join(held) or 'an unknown node list'} "
+            f"{confirm_s:.0f} s later, not {','.join(kept)}; HINT: check slurmctld "
+            "(scontrol ping) before resuming the job"
+        ) from None
     if out.returncode != 0:
         raise SubmitError(
             f"scontrol could not shrink job {job_id} to {','.join(kept)}: "
@@ -111,3 +134,20 @@ def shrink_job(job_id: int, kept: Sequence[str], workdir: Path) -> float:
             "released, and the cluster must allow shrinking running jobs"
         )
     return time.perf_counter() - t0
+
+
+def _held_after(job_id: int, kept: Sequence[str], *, confirm_s: float, poll_s: float) -> list[str]:
+    """The job's node list as ``squeue`` shows it, polled until it is ``kept`` or ``confirm_s``
+    passed (an empty list when squeue never answered)."""
+    deadline = time.monotonic() + confirm_s
+    held: list[str] = []
+    while True:
+        try:
+            out = run_command(["squeue", "-h", "-j", str(job_id), "-o", "%N"])
+            if out.returncode == 0 and out.stdout.strip():
+                held = expand_hostlist(out.stdout.strip())
+        except SubmitError:
+            pass
+        if held == list(kept) or time.monotonic() >= deadline:
+            return held
+        time.sleep(poll_s)

@@ -20,9 +20,14 @@ from typing import Any
 
 import jinja2
 
-from dynmo_hpc.config.slurm import mem_mb, sbatch_option_problems
+from dynmo_hpc.config.slurm import (
+    MPI_IMPLEMENTATIONS,
+    SRUN_MPI_PLUGINS,
+    mem_mb,
+    sbatch_option_problems,
+)
 from dynmo_hpc.errors import DynmoError
-from dynmo_hpc.slurm.step import slurm_mpi_env
+from dynmo_hpc.slurm.step import slurm_mpi_env, srun_mpi_plugin
 
 __all__ = [
     "TEMPLATE_NAME",
@@ -53,6 +58,9 @@ def render_sbatch(
     nodes: int = 1,
     tasks_per_node: int = 1,
     gpus_per_node: int = 0,
+    gpus_per_task: int = 0,
+    gpu_bind: str | None = None,
+    nccl_defaults: bool = False,
     cpus_per_task: int = 1,
     time_min: int = 30,
     partition: str | None = None,
@@ -64,6 +72,8 @@ def render_sbatch(
     conda_env: str | None = None,
     modules: Sequence[str] = (),
     launcher: str = "auto",
+    mpi: str = "auto",
+    mpi_implementation: str = "openmpi",
     mpi_loopback_only: bool = False,
     python: str = "python",
     extra_sbatch: Sequence[str] = (),
@@ -79,6 +89,11 @@ def render_sbatch(
         nodes: ``--nodes``.
         tasks_per_node: ``--ntasks-per-node``: MPI ranks per node.
         gpus_per_node: ``--gpus-per-node``; 0 leaves it out.
+        gpus_per_task: ``--gpus-per-task``; 0 leaves it out (:func:`gpu_request` sets it for a
+            CUDA job that names no per-node count).
+        gpu_bind: ``--gpu-bind`` (e.g. ``single:1``: each task its own GPU); None leaves it out.
+        nccl_defaults: export the usual NCCL settings, each only where the environment has not
+            set it (:data:`NCCL_DEFAULTS`).
         cpus_per_task: ``--cpus-per-task``.
         time_min: ``--time`` in minutes.
         partition, account, qos: left out when None (the cluster's defaults apply).
@@ -88,11 +103,15 @@ def render_sbatch(
         venv: virtual environment directory to ``source <venv>/bin/activate``.
         conda_env: conda environment to activate instead (not together with ``venv``).
         modules: environment modules to ``module load``, in order, after ``module purge``.
-        launcher: how the manager starts the ranks: ``srun`` (``srun --mpi=pmix``), ``mpirun``
-            (the venv's Open MPI ``mpirun``), or ``auto`` (the manager picks; see
+        launcher: how the manager starts the ranks: ``srun`` (``srun --mpi=<plugin>``), ``mpirun``
+            (the venv's ``mpirun``), or ``auto`` (the manager picks; see
             :mod:`dynmo_hpc.slurm.step`).
+        mpi: SLURM's MPI plugin (``slurm.mpi``: auto, pmix, pmi2, cray_shasta, none).
+        mpi_implementation: ``openmpi`` or ``mpich``, the MPI the job's mpi4py loads
+            (:func:`dynmo_hpc.launch.mpi_impl.detect`): which variables the script exports.
         mpi_loopback_only: pin Open MPI to the ``lo`` interface: True for a cluster whose nodes
-            all share one host (the test cluster, ``scripts/slurm_cluster.sh``), False elsewhere.
+            all share one host (the test cluster, ``scripts/slurm_cluster.sh``), False elsewhere;
+            no effect on MPICH.
         python: the interpreter that runs the manager, after activation.
         extra_sbatch: more ``#SBATCH`` lines, verbatim, e.g. ``("--exclusive",)``.
         resume_from: a ``checkpoint/step_<n>`` directory the job's first run continues from
@@ -151,9 +170,68 @@ _SAFE_WORD = re.compile(r"^[A-Za-z0-9_.+@%:/=,-]+$")
 """What may appear in an ``#SBATCH`` value: sbatch does no shell quoting there."""
 
 
+NCCL_DEFAULTS: tuple[tuple[str, str], ...] = (
+    ("NCCL_DEBUG", "WARN"),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+)
+"""NCCL settings a CUDA job's script exports unless its environment already has them (a site
+module or the user): warnings in the job's log, and a failed collective ends the step instead of
+hanging it until the phase timeout."""
+
+
+def gpu_request(device: str, gpus_per_node: int) -> dict[str, Any]:
+    """The GPU parameters of the script for ``runtime.device`` and ``slurm.gpus_per_node``.
+
+    A CUDA job gets its GPUs the SLURM way: ``--gpus-per-node`` when the job names a count per
+    node, else ``--gpus-per-task=1`` (one rank per GPU); either way ``--gpu-bind=single:1``, so
+    each rank sees one GPU of its own, and the NCCL defaults. Other devices keep the per-node
+    count as given (a CPU job asks for none).
+
+    Example:
+        >>> gpu_request("cuda", 0)
+        {'gpus_per_node': 0, 'gpus_per_task': 1, 'gpu_bind': 'single:1', 'nccl_defaults': True}
+        >>> gpu_request("cpu", 0)
+        {'gpus_per_node': 0, 'gpus_per_task': 0, 'gpu_bind': None, 'nccl_defaults': False}
+    """
+    if device != "cuda":
+        return {
+            "gpus_per_node": gpus_per_node,
+            "gpus_per_task": 0,
+            "gpu_bind": None,
+            "nccl_defaults": False,
+        }
+    return {
+        "gpus_per_node": gpus_per_node,
+        "gpus_per_task": 0 if gpus_per_node else 1,
+        "gpu_bind": "single:1",
+        "nccl_defaults": True,
+    }
+
+
 def _check(p: Mapping[str, Any]) -> None:
     """Raise SbatchOptionError for anything sbatch would reject or the job could not survive."""
     problems = sbatch_option_problems(p)
+    if p["mpi_implementation"] not in MPI_IMPLEMENTATIONS:
+        problems.append(
+            f"mpi_implementation={p['mpi_implementation']!r} must be one of "
+            f"{', '.join(MPI_IMPLEMENTATIONS)}"
+        )
+    elif p["mpi"] in SRUN_MPI_PLUGINS:
+        try:
+            srun_mpi_plugin(p["mpi"], p["mpi_implementation"])
+        except ValueError as exc:
+            problems.append(str(exc))
+    gpt = p["gpus_per_task"]
+    if isinstance(gpt, bool) or not isinstance(gpt, int) or gpt < 0:
+        problems.append(f"gpus_per_task={gpt!r} must be an integer >= 0")
+    elif gpt and p["gpus_per_node"]:
+        problems.append(
+            f"gpus_per_task={gpt} and gpus_per_node={p['gpus_per_node']} are both set: ask "
+            "for GPUs one way"
+        )
+    bind = p["gpu_bind"]
+    if bind is not None and (not isinstance(bind, str) or not _SAFE_WORD.match(bind)):
+        problems.append(f"gpu_bind={bind!r} must be a SLURM --gpu-bind value such as single:1")
     if p.get("resume_from") is not None and (
         not isinstance(p["resume_from"], str) or not p["resume_from"]
     ):
@@ -184,6 +262,12 @@ def _render(p: Mapping[str, Any]) -> str:
     template = env.from_string(template_text())
     context = dict(p)
     context["mem_mb"] = mem_mb(p["mem_gb"])
-    mpi_env = slurm_mpi_env(p["launcher"], loopback_only=p["mpi_loopback_only"])
+    mpi_env = slurm_mpi_env(
+        p["launcher"],
+        loopback_only=p["mpi_loopback_only"],
+        implementation=p["mpi_implementation"],
+        mpi=p["mpi"],
+    )
     context["mpi_env"] = sorted(mpi_env.items())
+    context["nccl_env"] = list(NCCL_DEFAULTS)
     return template.render(**context)

@@ -51,6 +51,10 @@ TERMINAL_STATES = frozenset(
 """Scheduler states after which a job never runs again (without a requeue)."""
 
 
+class SlurmTimeout(SubmitError):
+    """A SLURM client command did not answer in time: what it asked for may still happen."""
+
+
 def run_command(
     argv: Sequence[str], *, timeout_s: float = 60.0, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -64,7 +68,7 @@ def run_command(
             f"{argv[0]} not found; HINT: run on a SLURM login node, or load the SLURM module"
         ) from None
     except subprocess.TimeoutExpired:
-        raise SubmitError(
+        raise SlurmTimeout(
             f"{' '.join(argv)} did not answer in {timeout_s:.0f} s; HINT: check that slurmctld "
             "is up (scontrol ping) and that SLURM_CONF points at the cluster"
         ) from None

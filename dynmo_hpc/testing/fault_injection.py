@@ -18,10 +18,11 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from dynmo_hpc.config.fault import FaultSection
 
@@ -40,6 +41,9 @@ class FaultInjector(Protocol):
     def chunk_hook(self, step: int) -> Callable[[Any, int, np.ndarray], None] | None:
         """The migration's per-received-chunk callback (a corruption), or None."""
 
+    def after_optimizer(self, step: int, slots: Sequence[Any]) -> None:
+        """After the optimizer step of ``step``: where a ``diverge`` fault nudges a weight."""
+
 
 class NoFaults:
     """The injector of every production run: nothing strikes, no hooks."""
@@ -51,6 +55,9 @@ class NoFaults:
         return None
 
     def chunk_hook(self, step: int) -> Callable[[Any, int, np.ndarray], None] | None:
+        return None
+
+    def after_optimizer(self, step: int, slots: Sequence[Any]) -> None:
         return None
 
 
@@ -68,8 +75,8 @@ class ArmedFault:
         return self.armed and phase == self.fault.inject_phase and step >= self.first_step
 
     def at(self, phase: str, step: int) -> None:
-        if self.fault.inject_action == "corrupt" or not self._due(phase, step):
-            return  # a corruption needs a received chunk (chunk_hook)
+        if self.fault.inject_action in ("corrupt", "diverge") or not self._due(phase, step):
+            return  # a corruption needs a received chunk, a divergence the layers
         self.armed = False
         action = self.fault.inject_action
         if action == "raise":
@@ -104,6 +111,17 @@ class ArmedFault:
                 log.warning("fault injection: rank %d damaged a received chunk", self.rank)
 
         return corrupt
+
+    def after_optimizer(self, step: int, slots: Sequence[Any]) -> None:
+        if self.fault.inject_action != "diverge" or not self._due("step", step) or not slots:
+            return
+        self.armed = False
+        with torch.no_grad():
+            first = next(iter(slots[0].module.parameters()))
+            first.view(-1)[0] += 1e-3
+        log.warning(
+            "fault injection: rank %d nudged a weight of layer %d", self.rank, slots[0].index
+        )
 
 
 def make_injector(fault: FaultSection, rank: int, attempt: int) -> FaultInjector:

@@ -151,20 +151,31 @@ class PackHistory:
 
     @classmethod
     def from_state(
-        cls, state: dict[str, Any] | None, num_stages: int, num_replicas: int = 1
+        cls,
+        state: dict[str, Any] | None,
+        num_stages: int,
+        num_replicas: int = 1,
+        *,
+        num_microbatches: int | None = None,
     ) -> PackHistory:
         """From a checkpoint's ``pack`` entry; a fresh history at ``num_replicas`` x
         ``num_stages`` when it has none (a new run, or a checkpoint written before the entry
-        existed)."""
+        existed). ``num_microbatches``: the job's ``train.num_microbatches`` now; an original
+        replica count that no longer divides it (an accepted change of the global batch) is
+        taken down to the largest count that does, never below ``num_replicas``: the reference
+        size must be one the job could run."""
         if not isinstance(state, dict):
             return cls(num_stages, original_replicas=num_replicas)
         correction = state.get("correction")
+        original_replicas = int(state.get("original_replicas") or num_replicas)
+        if num_microbatches is not None:
+            original_replicas = runnable_replicas(original_replicas, num_replicas, num_microbatches)
         return cls(
             int(state.get("original_stages") or num_stages),
             float(correction)
             if isinstance(correction, int | float) and 0 < correction <= 1
             else 1.0,
-            int(state.get("original_replicas") or num_replicas),
+            original_replicas,
         )
 
     def learn(self, result: dict[str, Any] | None) -> None:
@@ -172,6 +183,17 @@ class PackHistory:
         ratio = (result or {}).get("measured_over_predicted")
         if isinstance(ratio, int | float) and math.isfinite(ratio) and ratio > 0:
             self.correction = min(1.0, float(ratio))
+
+
+def runnable_replicas(original_replicas: int, num_replicas: int, num_microbatches: int) -> int:
+    """The largest replica count at most ``original_replicas`` (and at least ``num_replicas``,
+    which divides the batch) that divides ``num_microbatches``.
+
+    Example: ``runnable_replicas(4, 2, 6) == 3``; ``runnable_replicas(4, 1, 5) == 1``."""
+    for r in range(max(original_replicas, num_replicas), num_replicas, -1):
+        if num_microbatches % r == 0:
+            return r
+    return num_replicas
 
 
 def decide_pack(
@@ -204,6 +226,7 @@ def decide_pack(
         pack_policy=el.policy,
         max_slowdown=el.max_slowdown,
         min_stages=el.min_stages,
+        min_replicas=el.min_replicas,
         memory_bytes=memory.fixed_bytes,
         activation_bytes=memory.activation_bytes,
         schedule=cfg.pipeline.schedule,
@@ -245,7 +268,12 @@ class PackController:
     def restore(self, state: dict[str, Any] | None) -> None:
         """Take the history a checkpoint's run state carried (its ``pack`` entry)."""
         pipeline = self.cfg.pipeline
-        self.history = PackHistory.from_state(state, pipeline.num_stages, pipeline.replicas)
+        self.history = PackHistory.from_state(
+            state,
+            pipeline.num_stages,
+            pipeline.replicas,
+            num_microbatches=self.cfg.train.num_microbatches,
+        )
 
     def run_state(self) -> dict[str, Any]:
         """The ``pack`` entry of a checkpoint's run state."""
@@ -262,13 +290,13 @@ class PackController:
         allreduce_s: float = 0.0,
     ) -> PackPlan | None:
         """The packing decision at this report, or None when none is due (nothing smaller to
-        go to: one replica at ``elastic.min_stages``)."""
+        go to: ``elastic.min_replicas`` replicas of ``elastic.min_stages`` stages)."""
         el = self.cfg.elastic
         if not el.enabled:
             return None
         self.num_reports += 1
         steps_left = self.cfg.train.steps - (report.step + 1)
-        at_floor = len(parts) - 1 <= el.min_stages and self.cfg.pipeline.replicas == 1
+        at_floor = len(parts) - 1 <= el.min_stages and self.cfg.pipeline.replicas <= el.min_replicas
         if self.num_reports % el.interval or steps_left <= 0 or at_floor:
             return None
         overhead_s = restart_overhead_s(

@@ -193,7 +193,7 @@ class Trainer:
         bandwidth = self.comm.allreduce(bandwidth, op=MPI.MIN)
         tracker = CostTracker(cfg.model.num_layers, cfg.balance.smoothing)
         balancer = state.get("balancer", {}) if state else {}
-        tracker.costs_s = balancer.get("costs_s")
+        tracker.costs_s = resume.restored_costs(cfg, state) if state else None
         report_state = ReportState(
             parts=parts,
             tracker=tracker,
@@ -317,7 +317,9 @@ class Trainer:
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)
         self.pipeline_stage.optimizer_step(lr, coefficient)
-        scheme_events = self.schemes.step_end(step, slots, self.groups.pipeline.allgather)
+        self.faults.after_optimizer(step, slots)
+        replicas = self.groups.data.allgather if topo.num_replicas > 1 else None
+        scheme_events = self.schemes.step_end(step, slots, self.groups.pipeline.allgather, replicas)
         self.pipeline_stage.no_grad_below = self.schemes.no_grad_below
 
         cpu_s = sum(stats.forward_s.values()) + sum(stats.backward_s.values())
@@ -327,7 +329,8 @@ class Trainer:
         if self.rank == 0:
             self.reporter.allreduce_s.append(max(g[5] for g in gathered))
         reported = is_report_step(step, cfg.balance.interval, cfg.train.steps)
-        if reported:
+        if reported:  # replicas must agree: checked before a migration moves their layers
+            check_replicas_agree(self.groups.data, slots, topo.stage, full=False)
             self.reporter.report(step)
         step_time_s = time.perf_counter() - t0
         if self.log0 is not None:

@@ -147,16 +147,42 @@ def activation_spec(cfg: JobConfig, micro_batch_size: int) -> Spec:
 # --------------------------------------------------------------------------------------------
 
 
-def layer_stats(slot: Slot, schemes: Sequence[Scheme]) -> dict[str, float]:
-    """A layer's scheme counters since the last report (then cleared), plus each scheme's own
+Counters = dict[str, dict[str, float]]
+"""A layer's scheme counters, by ``path:attr`` (:func:`take_counters`)."""
+
+
+def layer_stats(
+    slot: Slot, schemes: Sequence[Scheme], counters: Counters | None = None
+) -> dict[str, float]:
+    """A layer's scheme counters since the last report (``counters``: already taken, e.g.
+    summed over replicas; None: taken from the layer now and cleared), plus each scheme's own
     figures; a counter ``key`` of submodule ``path`` is reported as ``path.key``."""
     out: dict[str, float] = {}
-    for where, counters in take_counters(slot.module, clear=True).items():
+    if counters is None:
+        counters = take_counters(slot.module, clear=True)
+    for where, values in counters.items():
         path = where.rpartition(":")[0]
         prefix = f"{path}." if path else ""
-        out.update({f"{prefix}{key}": value for key, value in counters.items()})
+        out.update({f"{prefix}{key}": value for key, value in values.items()})
     for scheme in schemes:
         out.update(scheme.layer_stats(slot))
+    return out
+
+
+def sum_counters(parts: Sequence[dict[int, Counters]]) -> dict[int, Counters]:
+    """Every replica's counters of the same layers added up (all counters are counts: tokens,
+    expert assignments, kept blocks, confidence sums). Pure.
+
+    Example: ``sum_counters([{0: {"m:stats": {"t": 1.0}}}, {0: {"m:stats": {"t": 2.0}}}])``
+    is ``{0: {"m:stats": {"t": 3.0}}}``."""
+    out: dict[int, Counters] = {}
+    for part in parts:
+        for index, counters in part.items():
+            layer = out.setdefault(index, {})
+            for where, values in counters.items():
+                into = layer.setdefault(where, {})
+                for key, value in values.items():
+                    into[key] = into.get(key, 0.0) + float(value)
     return out
 
 
@@ -190,11 +216,19 @@ class SchemeController:
         return is_report_step(step, self.cfg.balance.interval, self.cfg.train.steps)
 
     def step_end(
-        self, step: int, slots: Sequence[Slot], allgather: AllGather
+        self,
+        step: int,
+        slots: Sequence[Slot],
+        allgather: AllGather,
+        replica_allgather: AllGather | None = None,
     ) -> list[dict[str, Any]]:
         """Apply the schemes' decisions after optimizer step ``step``; returns run-log events.
 
         Every rank calls this with the same ``step`` and must make the same collective calls.
+        ``allgather``: over this replica's pipeline; ``replica_allgather``: over the ranks of
+        this stage in every replica (None: one replica). Each replica runs ``1/R`` of the
+        batch, so the ``scheme_stats`` counters are summed over replicas: absolute counts
+        cover the whole batch whatever ``pipeline.replicas`` is.
         """
         if not self.schemes:
             return []
@@ -204,8 +238,12 @@ class SchemeController:
             if event is not None:
                 events.append(event)
         if self.is_report_step(step):
+            taken = {s.index: take_counters(s.module, clear=True) for s in slots}
+            if replica_allgather is not None:
+                taken = sum_counters(replica_allgather(taken))
+            mine = {s.index: layer_stats(s, self.schemes, taken[s.index]) for s in slots}
             layers: dict[str, dict[str, float]] = {}
-            for part in allgather({s.index: layer_stats(s, self.schemes) for s in slots}):
+            for part in allgather(mine):
                 layers.update({str(i): stats for i, stats in part.items()})
             events.append(
                 {
