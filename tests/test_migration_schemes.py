@@ -37,11 +37,12 @@ import pytest
 import torch
 
 from dynmo_hpc import config as config_mod
+from dynmo_hpc.config.sections import ARCH_SCHEMES
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.runlog import load
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import ROOT, TINY
-from tests.helpers.scheme_jobs import SCHEME_OVERRIDES, scheme_acted, scheme_events
+from tests.helpers.scheme_jobs import LLAMA, SCHEME_OVERRIDES, scheme_acted, scheme_events
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -80,6 +81,8 @@ def _cases() -> dict[str, tuple[list[str], list[str]]]:
         cases["+".join(combo)] = (list(combo), overrides)
     for name, (schemes, extra) in PADDED_MOE.items():
         cases[name] = (schemes, [*SCHEME_OVERRIDES["moe"], *extra])
+    for scheme in sorted(ARCH_SCHEMES["llama"] or ()):  # the llama family's scheme blocks
+        cases[f"llama_{scheme}"] = ([scheme], [*LLAMA, *SCHEME_OVERRIDES[scheme]])
     return cases
 
 

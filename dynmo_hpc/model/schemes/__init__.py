@@ -36,6 +36,7 @@ from dynmo_hpc.model.hf_weights import HFCheckpoint, load_layer_
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
 from dynmo_hpc.model.schemes.early_exit import EarlyExitScheme
 from dynmo_hpc.model.schemes.freezing import FreezingScheme
+from dynmo_hpc.model.schemes.llama_blocks import LlamaSchemeBlock
 from dynmo_hpc.model.schemes.mod import MoDScheme
 from dynmo_hpc.model.schemes.moe import MoEScheme
 from dynmo_hpc.model.schemes.pruning import PruningScheme
@@ -82,6 +83,10 @@ for _scheme in BUILTIN_SCHEMES:
     register(_scheme)
 
 
+SCHEME_BLOCKS: dict[str, type[nn.Module]] = {"gpt2": SchemeBlock, "llama": LlamaSchemeBlock}
+"""``model.arch`` -> the block schemes plug into (``config.sections.ARCH_SCHEMES`` says which
+schemes each family supports)."""
+
 # --------------------------------------------------------------------------------------------
 # Building layers
 # --------------------------------------------------------------------------------------------
@@ -97,7 +102,7 @@ def _build_module(cfg: JobConfig, index: int, schemes: Sequence[Scheme]) -> nn.M
             return module
     if kind != "block" or not any(scheme.changes_block for scheme in schemes):
         return families.build_module(cfg.model, index)
-    block = SchemeBlock(cfg.model, cfg.model.block_d_ff(index))
+    block = SCHEME_BLOCKS[cfg.model.arch](cfg.model, cfg.model.block_d_ff(index))
     for scheme in schemes:
         scheme.configure_block(block, index)
     return block
