@@ -154,3 +154,52 @@ def test_pruning_a_kv_group_and_neurons_equals_zeroing_them():
     dense = llama.LlamaBlock(cfg.model, cfg.model.d_ff)
     dense.load_state_dict(dense_state(cfg.model, 1, block.state_dict()))
     torch.testing.assert_close(dense(x, ctx)["h"], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "padded"])
+def test_moe_with_swiglu_experts_is_the_gated_sum_of_its_experts(dispatch):
+    from dynmo_hpc.model.schemes.moe import MoEFeedForward
+
+    cfg = _cfg(moe={"num_experts": 4, "top_k": 2, "capacity_factor": 8.0, "dispatch": dispatch})
+    block = build_layer(cfg, 1)
+    assert isinstance(block.mlp, MoEFeedForward)
+    assert isinstance(block.mlp.experts[0], llama.SwiGLU)
+    moe = block.mlp
+    x = torch.randn(20, 32)
+    out, aux = moe(x)
+    probs = torch.softmax(moe.router(x), dim=-1)
+    top = probs.topk(2, dim=-1)
+    want = torch.zeros_like(x)
+    for n in range(20):
+        for p, e in zip(top.values[n], top.indices[n], strict=True):
+            want[n] += p / top.values[n].sum() * moe.experts[int(e)](x[n : n + 1])[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert aux.requires_grad
+
+
+def test_attend_active_is_full_attention_at_the_active_tokens():
+    """Early exit: the active tokens' outputs (queries at their own positions, keys and values
+    from every token) are the full attention's rows at those tokens."""
+    attn = _attention(3)
+    hn = torch.randn(2, 12, 32)
+    active = torch.rand(2, 12) < 0.6
+    active[:, 0] = True
+    b_idx, t_idx = active.nonzero(as_tuple=True)
+    full = attn(hn)[b_idx, t_idx]
+    torch.testing.assert_close(
+        attn.attend_active(hn, active, b_idx, t_idx), full, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_early_exit_llama_layers_use_the_llama_embedding_norm_and_head():
+    cfg = _cfg(early_exit={"layers": [1]})
+    embedding, block, head = (build_layer(cfg, i) for i in (0, 1, 3))
+    assert isinstance(embedding, llama.LlamaEmbedding) and isinstance(head, llama.LlamaHead)
+    assert isinstance(block.exit_head.ln, llama.RMSNorm)
+    tokens = torch.randint(0, 256, (2, 16))
+    ctx = MicrobatchContext(tokens=tokens, targets=torch.roll(tokens, -1, 1))
+    x = embedding(None, ctx)
+    assert set(x) == {"h", "active", "exit_nll"}
+    for layer in (block, build_layer(cfg, 2), head):
+        x = layer(x, ctx)
+    assert ctx.loss is not None and torch.isfinite(ctx.loss)

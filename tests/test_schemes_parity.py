@@ -20,13 +20,18 @@ from pathlib import Path
 import pytest
 
 from dynmo_hpc import config as config_mod
-from dynmo_hpc.config.sections import ARCH_SCHEMES
 from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.runlog import load
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result
-from tests.helpers.scheme_jobs import LLAMA, scheme_acted, scheme_config, scheme_events
+from tests.helpers.scheme_jobs import (
+    LLAMA,
+    arch_schemes,
+    scheme_acted,
+    scheme_config,
+    scheme_events,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -40,7 +45,7 @@ def case_config(out_dir: Path, scheme: str, num_stages: int) -> config_mod.JobCo
     )
 
 
-LLAMA_NAMES = sorted(ARCH_SCHEMES["llama"] or ())
+LLAMA_NAMES = arch_schemes("llama")
 """The schemes the llama family supports (each with its pipeline parity run on 2 stages)."""
 
 

@@ -62,7 +62,7 @@ class JobSection:
 
 ARCH_SCHEMES: dict[str, frozenset[str] | None] = {
     "gpt2": None,
-    "llama": frozenset({"freezing", "mod", "pruning", "sparse_attention"}),
+    "llama": None,
 }
 """Model families by ``model.arch`` name, each with the schemes it supports (None: every
 scheme). A family registers itself in :mod:`dynmo_hpc.model.families`, which checks its name

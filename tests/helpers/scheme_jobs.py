@@ -54,6 +54,16 @@ LLAMA = [
 ]
 """The TINY model as a Llama with grouped-query attention (4 query heads in 2 key/value groups)."""
 
+
+def arch_schemes(arch: str) -> list[str]:
+    """The built-in schemes model family ``arch`` supports (``ARCH_SCHEMES``; None = all)."""
+    from dynmo_hpc.config.sections import ARCH_SCHEMES
+    from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
+
+    supported = ARCH_SCHEMES[arch]
+    return [s.name for s in BUILTIN_SCHEMES if supported is None or s.name in supported]
+
+
 SCHEME_EVENT_KINDS = ("scheme_stats", "prune", "freeze")
 """Run-log event kinds the scheme controller writes."""
 

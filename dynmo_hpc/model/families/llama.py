@@ -154,7 +154,8 @@ class LlamaHead(nn.Module):
         return {}
 
 
-RESIDUAL_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+"""Scaled by 1/sqrt(2 N) at initialisation: attention output and (every expert's) down proj."""
 
 
 def init_layer_(module: nn.Module, cfg: ModelSection, seed: int, index: int) -> None:

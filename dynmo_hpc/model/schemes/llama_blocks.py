@@ -13,8 +13,9 @@ Mixture of Depths runs the block on a subset of the tokens, so the attention tak
 attention rotates q and k first and then selects key blocks, with the key/value heads repeated
 for their query-head groups (grouped-query attention, Hugging Face's ``repeat_kv``).
 
-Supported on llama: sparse attention, MoD, pruning (SwiGLU neurons; heads in whole key/value
-groups, :mod:`.pruning`) and freezing (``config.sections.ARCH_SCHEMES``).
+Every built-in scheme runs on llama: MoE (SwiGLU experts), early exit (``attend_active``),
+sparse attention, MoD, pruning (SwiGLU neurons; heads in whole key/value groups,
+:mod:`.pruning`) and freezing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dynmo_hpc.model.families.llama import LlamaAttention, LlamaBlock, apply_rop
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload
 from dynmo_hpc.model.schemes import sparse_attention
 from dynmo_hpc.model.schemes.blocks import ForwardPath
+from dynmo_hpc.model.schemes.moe import MoEFeedForward
 
 
 class LlamaSchemeAttention(LlamaAttention):
@@ -84,6 +86,36 @@ class LlamaSchemeAttention(LlamaAttention):
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, nh * hs)
         return self.o_proj(y)
 
+    def attend_active(self, hn: Tensor, active: Tensor, b_idx: Tensor, t_idx: Tensor) -> Tensor:
+        """Attention output (N, C) for the active tokens only; keys/values come from all tokens
+        (as gpt2's ``SchemeAttention.attend_active``), each query rotated by its own position.
+
+        hn: (B, T, C) the block's normed input; active: (B, T) bool; (b_idx, t_idx): the N
+        active positions in row-major order, packed per sequence into (B, Qmax) query slots.
+        """
+        B, T, _ = hn.shape
+        nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_size
+        cos, sin = rope_cos_sin(T, hs, self.rope_theta, hn.device)  # (T, hs)
+        k = self.k_proj(hn).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype)).repeat_interleave(nh // nkv, dim=1)
+        v = self.v_proj(hn).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
+        slot = (active.long().cumsum(1) - 1)[b_idx, t_idx]  # (N,) rank within its sequence
+        q_max = int(active.sum(1).max())
+        q_act = self.q_proj(hn[b_idx, t_idx]).view(-1, nh, hs)  # (N, nh, hs)
+        q_cos, q_sin = cos[t_idx][:, None].to(q_act.dtype), sin[t_idx][:, None].to(q_act.dtype)
+        q_act = apply_rope(q_act, q_cos, q_sin)  # (N, nh, hs) at each token's position
+        q = hn.new_zeros(B, q_max, nh, hs).index_put((b_idx, slot), q_act)  # (B, Qmax, nh, hs)
+        q = q.transpose(1, 2)  # (B, nh, Qmax, hs)
+        pos = torch.full((B, q_max), -1, dtype=torch.long, device=hn.device)
+        pos = pos.index_put((b_idx, slot), t_idx)  # (B, Qmax), -1 = padding
+        keys = torch.arange(T, device=hn.device)
+        allowed = keys[None, None, :] <= pos[:, :, None]  # (B, Qmax, T) causal by position
+        allowed = allowed | ((pos < 0)[:, :, None] & (keys == 0))  # padding sees key 0, no NaN
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])  # (B,nh,Qmax,hs)
+        y = y.transpose(1, 2).reshape(B, q_max, nh * hs)[b_idx, slot]  # (N, nh * hs)
+        return self.o_proj(y)  # (N, C)
+
 
 class LlamaSchemeBlock(LlamaBlock):
     """A Llama decoder layer whose attention and token set the schemes may change (see the
@@ -110,7 +142,12 @@ class LlamaSchemeBlock(LlamaBlock):
         return self.post_attention_layernorm
 
     def feed_forward(self, x: Tensor, ctx: MicrobatchContext) -> Tensor:
-        """The block's SwiGLU on (..., C)."""
+        """The block's SwiGLU on (..., C); an MoE appends its balancing loss to ``ctx``."""
+        if isinstance(self.mlp, MoEFeedForward):
+            shape = x.shape
+            y, aux = self.mlp(x.reshape(-1, shape[-1]))  # (N, C)
+            ctx.aux_losses.append(aux)
+            return y.view(shape)
         out: Tensor = self.mlp(x)
         return out
 
@@ -120,5 +157,5 @@ class LlamaSchemeBlock(LlamaBlock):
             return self.forward_path(self, x, ctx)  # type: ignore[arg-type]
         h = x["h"]  # (B, T, C)
         h = h + self.self_attn(self.input_layernorm(h))
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.feed_forward(self.post_attention_layernorm(h), ctx)
         return {**x, "h": h}
