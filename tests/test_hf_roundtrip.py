@@ -26,6 +26,7 @@ from dynmo_hpc.runlog import load
 from tests.helpers.hf_models import hf_loss, save_model
 from tests.helpers.hf_models import load_model as hf_load_model
 from tests.helpers.jobs import run_job, tiny_config
+from tests.helpers.scheme_jobs import LLAMA, SCHEME_OVERRIDES
 
 SEQ_LEN = 24
 NUM_WINDOWS = 6
@@ -154,3 +155,29 @@ def test_pruned_model_exports_exactly_and_mod_only_as_dense_backbone(tmp_path, c
         load_model(mod.run_dir).layers[0].wte.weight,
         hf_load_model(backbone)[0].transformer.wte.weight,
     )
+
+
+@pytest.mark.mpi
+def test_pruned_llama_exports_exactly_with_whole_kv_groups_zeroed(tmp_path, capsys):
+    """A llama pruned in neurons and key/value groups exports as zeros in the dense weights:
+    transformers computes the pruned model's loss."""
+    cfg = tiny_config(
+        tmp_path,
+        *LLAMA,
+        "pipeline.num_stages=1",
+        "train.steps=4",
+        "checkpoint.at_end=true",
+        "job.name=pruned_llama",
+        *SCHEME_OVERRIDES["pruning"],
+    )
+    run_job(cfg)
+    loaded = load_model(cfg.run_dir)
+    groups = [layer.attn.num_kv_heads for layer in loaded.layers[1:-1]]
+    assert min(groups) < cfg.model.kv_heads, "pruning should have removed a key/value group"
+    out = tmp_path / "pruned_llama_hf"
+    _export(cfg.run_dir, out)
+    data = _token_file(tmp_path / "tokens.bin")
+    ours = mean_loss(loaded.layers, windows(np.fromfile(data, dtype="<u2"), SEQ_LEN, NUM_WINDOWS))
+    theirs, info = _hf_loss(out, data)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
