@@ -181,3 +181,22 @@ def test_pruned_llama_exports_exactly_with_whole_kv_groups_zeroed(tmp_path, caps
     theirs, info = _hf_loss(out, data)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+
+
+def test_run_refuses_a_checkpoint_with_a_missing_tensor_before_writing(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    source = save_model(tmp_path / "hf", "llama")
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.2.self_attn.k_proj.weight"]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    argv = ["run", "jobs/llama.yaml", "--set", f"model.init_from={source}"]
+    assert main([*argv, "--set", f"job.out_dir={tmp_path / 'runs'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    # num_blocks, d_model, d_ff and rope_theta of jobs/llama.yaml differ from config.json
+    warnings = [line for line in lines if "differs from" in line]
+    assert len(warnings) == 4 and all("WARNING" in line for line in warnings), lines
+    (error,) = [line for line in lines if line not in warnings]
+    assert "model.layers.2.self_attn.k_proj.weight is missing" in error and str(source) in error
+    assert not (tmp_path / "runs").exists()

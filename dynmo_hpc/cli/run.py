@@ -15,7 +15,6 @@ from dynmo_hpc import config as config_mod
 from dynmo_hpc.cli.args import add_overrides_argument, add_resume_arguments
 from dynmo_hpc.launch.local import run_local
 from dynmo_hpc.launch.supervisor import JobOutcome
-from dynmo_hpc.model.hf_weights import HFCheckpoint, check_checkpoint
 from dynmo_hpc.version import __version__
 
 
@@ -143,9 +142,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         flush=True,
     )
     check_allow_change(args)
-    if cfg.model.init_from is not None and args.resume is None:
-        # every tensor present with its shape, none left over: before any rank starts
-        check_checkpoint(cfg.model, HFCheckpoint(cfg.model.init_from))
     resume_from = (
         resolve_resume(cfg, args.resume, args.allow_change) if args.resume is not None else None
     )
