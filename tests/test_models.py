@@ -185,3 +185,28 @@ def test_bad_tensors_are_named_with_their_file(tmp_path, edit, message):
         check_checkpoint(cfg.model, HFCheckpoint(directory))
     assert "\n" not in str(info.value)
     assert str(directory) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"arch": "llama", "num_blocks": 2, "d_model": 32, "num_heads": 4, "num_kv_heads": 2},
+        {"arch": "gpt2", "num_blocks": 2, "d_model": 32, "num_heads": 2, "max_positions": 40},
+    ],
+)
+def test_layer_params_count_what_the_family_builds(model):
+    """The pre-launch memory bound counts each family's real parameters."""
+    cfg = _job(d_ff=48, vocab_size=300, **model)
+    built = [sum(p.numel() for p in build_layer(cfg, i).parameters()) for i in range(4)]
+    assert cfg.model.layer_params() == built
+
+
+def test_a_tied_head_is_imported_as_a_copy_with_one_warning(tmp_path, caplog):
+    directory = save_model(tmp_path / "hf", "gpt2")  # GPT-2 ties lm_head to wte
+    with caplog.at_level(logging.WARNING, logger="dynmo_hpc.config.hf_model"):
+        cfg = _job(directory)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "ties its LM head to its embedding" in lines[0], lines
+    head, embedding = build_layer(cfg, cfg.model.num_layers - 1), build_layer(cfg, 0)
+    assert torch.equal(head.lm_head.weight, embedding.wte.weight)
+    assert head.lm_head.weight.data_ptr() != embedding.wte.weight.data_ptr()

@@ -148,8 +148,9 @@ def model_keys_from_hf(directory: str | Path) -> ModelKeys:
 def apply_init_from(model: dict[str, Any]) -> dict[str, Any]:
     """The job's ``model:`` mapping with ``init_from``'s config.json keys applied over it.
 
-    One warning line per key the job set to a different value; keys the job left out are
-    filled in silently. Returns a new mapping; ``model`` is not changed.
+    One warning line per key the job set to a different value (and one when the checkpoint ties
+    its head to its embedding: ours are separate layers); keys the job left out are filled in
+    silently. Returns a new mapping; ``model`` is not changed.
     """
     directory = model.get("init_from")
     if directory is None:
@@ -165,6 +166,13 @@ def apply_init_from(model: dict[str, Any]) -> dict[str, Any]:
                 value,
                 value,
             )
+    hf = read_hf_config(str(directory))
+    if hf.get("tie_word_embeddings", keys["arch"] == "gpt2"):
+        log.warning(
+            "%s ties its LM head to its embedding; the head is imported as a copy of the "
+            "embedding and trains on its own (export writes it untied)",
+            directory,
+        )
     if "layer_d_ff" in model and model["layer_d_ff"] is not None:
         raise ConfigError(
             "model.layer_d_ff cannot be combined with model.init_from (config.json sets one "
