@@ -95,6 +95,20 @@ def test_bench_imbalanced_refuses_a_run_too_short_for_its_windows() -> None:
     assert "too short" in line and "HINT" in line
 
 
+def test_bench_llama_block_prints_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "llama_block.json"
+    args = ["--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    proc = run_script("bench_llama_block.py", *args)
+    assert "| plain module |" in proc.stdout and "pipeline / plain" in proc.stdout
+    assert "nan" not in proc.stdout
+    assert len(json.loads(out.read_text())["pipeline_s"]) == 1
+
+
+def test_bench_llama_block_refuses_no_measured_step() -> None:
+    line = refuse_script("bench_llama_block.py", "--steps", "2", "--warmup", "2")
+    assert "--steps" in line and "HINT" in line
+
+
 def test_every_script_has_a_smoke_test() -> None:
     """A new script in benchmarks/ must be run by some test: here or in COVERED_ELSEWHERE."""
     here = Path(__file__).read_text()

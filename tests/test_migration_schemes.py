@@ -41,7 +41,13 @@ from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
 from dynmo_hpc.runlog import load
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import ROOT, TINY
-from tests.helpers.scheme_jobs import SCHEME_OVERRIDES, scheme_acted, scheme_events
+from tests.helpers.scheme_jobs import (
+    LLAMA,
+    SCHEME_OVERRIDES,
+    arch_schemes,
+    scheme_acted,
+    scheme_events,
+)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -80,6 +86,8 @@ def _cases() -> dict[str, tuple[list[str], list[str]]]:
         cases["+".join(combo)] = (list(combo), overrides)
     for name, (schemes, extra) in PADDED_MOE.items():
         cases[name] = (schemes, [*SCHEME_OVERRIDES["moe"], *extra])
+    for scheme in arch_schemes("llama"):  # the llama family's scheme blocks
+        cases[f"llama_{scheme}"] = ([scheme], [*LLAMA, *SCHEME_OVERRIDES[scheme]])
     return cases
 
 
@@ -348,6 +356,25 @@ def test_frozen_layer_migrates_frozen(runs):
     assert moves[2] == [1] and prefix_end[2] == 2, (moves, prefix_end)
     layer = results["freezing"]["moving"]["layers"][1]
     assert not any(layer["requires_grad"].values()) and all(layer["grad_is_none"].values())
+
+
+LLAMA_CARRIES: dict[str, Callable[[dict[str, Any]], bool]] = {
+    **CARRIES,
+    "pruning": lambda layer: layer["modules"]["mlp.up_proj"][1]["out_features"] < 64,
+    "sparse_attention": lambda layer: "self_attn.density" in layer["state"],
+}
+"""CARRIES for llama blocks (their attention and SwiGLU have Hugging Face's names)."""
+
+
+@pytest.mark.parametrize("scheme", arch_schemes("llama"))
+def test_llama_scheme_state_survives_real_migration(runs, scheme):
+    """The llama family's scheme blocks cross real migrations bit for bit too."""
+    out_dir, results = runs
+    case = f"llama_{scheme}"
+    check_case(out_dir, results, case)
+    carrier = 1 if scheme == "freezing" else 2
+    assert moved_layers(out_dir, case)[2] == [carrier]
+    assert LLAMA_CARRIES[scheme](results[case]["moving"]["layers"][carrier])
 
 
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=["+".join(c) for c in COMBINATIONS])

@@ -70,6 +70,19 @@ def params_config(out_dir: Path) -> config_mod.JobConfig:
     )
 
 
+def llama_config(out_dir: Path) -> config_mod.JobConfig:
+    """A Llama with grouped-query attention (2 query heads share 1 key/value head)."""
+    return tiny_config(
+        out_dir,
+        "model.arch=llama",
+        "model.num_kv_heads=1",
+        "model.rope_theta=500.0",
+        "pipeline.num_stages=2",
+        "train.steps=10",
+        "job.name=parity_llama",
+    )
+
+
 def torch_p2p_config(out_dir: Path) -> config_mod.JobConfig:
     return tiny_config(out_dir, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
 
@@ -78,6 +91,7 @@ def runs(out_dir: Path) -> rank_program.Runs:
     return [
         *[(RUN_ON[case], case_config(out_dir, *case)) for case in CASES],
         ("world", params_config(out_dir)),
+        ("half0", llama_config(out_dir)),
         ("half1", torch_p2p_config(out_dir)),  # last: it sets up torch.distributed
     ]
 
@@ -117,6 +131,15 @@ def test_final_parameters_match_reference(out_dir):
         # AdamW moments and step counts are saved with the weights.
         opt_state = saved["optimizer"]["state"]
         assert opt_state and all(float(s["step"]) == cfg.train.steps for s in opt_state.values())
+
+
+def test_llama_losses_match_single_process(out_dir):
+    """The llama family pipelines with the same numbers as the single-process reference."""
+    cfg = llama_config(out_dir)
+    reference = train_reference(cfg)
+    losses = _losses(cfg)
+    assert_losses_close(losses, reference.losses, rel=1e-5)
+    assert losses[-1] < losses[0], "the model should learn"
 
 
 def test_torch_distributed_transport_matches_reference(out_dir):

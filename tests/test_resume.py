@@ -1,5 +1,6 @@
 """Exact resume: a run stopped at step k and resumed (on the same or another stage count)
-trains bitwise the same as a run never stopped, for the plain model and all six schemes.
+trains bitwise the same as a run never stopped, for the plain model, all six schemes, and the
+llama family with Mixture of Depths (routed tokens keep their rotary positions).
 
 Each case is one uninterrupted reference run and one chain of three launches over the same
 steps: the first is stopped by SIGTERM (the path of SLURM's warning signal: stop at the step
@@ -9,7 +10,7 @@ the third resumes from the newest complete checkpoint, on a third stage count, a
 The chain's per-step losses, final weights and AdamW state must equal the reference's bitwise,
 and its one run log must show two restarts and one authoritative row per step.
 
-The seven uninterrupted reference runs train in one ``mpiexec`` launch
+The eight uninterrupted reference runs train in one ``mpiexec`` launch
 (:mod:`tests.helpers.rank_program`); each chain's three launches are launched as a user would.
 """
 
@@ -29,7 +30,7 @@ from dynmo_hpc.launch.local import launch_local
 from dynmo_hpc.runlog import load
 from tests.helpers import rank_program
 from tests.helpers.jobs import read_result
-from tests.helpers.scheme_jobs import scheme_config
+from tests.helpers.scheme_jobs import LLAMA, scheme_config
 
 NUM_STEPS = 8
 # Launch 1 gets SIGTERM during step 1 and stops after it: checkpoint step_2.
@@ -50,6 +51,7 @@ CASES: dict[str, dict[str, Any]] = {
     "sparse_attention": {"scheme": "sparse_attention", "stages": (2, 3, 2), "extra": []},
     "early_exit": {"scheme": "early_exit", "stages": (3, 2, 3), "extra": []},
     "mod": {"scheme": "mod", "stages": (2, 3, 2), "extra": ["runtime.p2p=torch"]},
+    "llama_mod": {"scheme": "mod", "stages": (3, 2, 3), "extra": LLAMA},
 }
 
 
@@ -69,6 +71,7 @@ def _config(tmp_path: Path, case: str, name: str, *overrides: str) -> config_mod
 REFERENCE_ON = {
     # case -> the communicator its reference run trains on (its second launch's stage count)
     "plain": "half0",
+    "llama_mod": "half0",
     "early_exit": "half1",
     "moe": "trio",
     "pruning": "trio",

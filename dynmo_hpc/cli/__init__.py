@@ -2,7 +2,8 @@
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
 :mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`,
-:mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``). The CLI is the only place that parses
+:mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``, :mod:`~dynmo_hpc.cli.eval` and
+:mod:`~dynmo_hpc.cli.export` for models). The CLI is the only place that parses
 argv or prints; everything it calls logs or returns values, and nothing outside this package
 imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes
 one ``error:`` line and exit code 2.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.cli import bench, plan, report, run, simulate, slurm
+from dynmo_hpc.cli import bench, export, plan, report, run, simulate, slurm
+from dynmo_hpc.cli import eval as eval_cmd
 from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError, Interrupted
 from dynmo_hpc.logging_utils import setup_logging
@@ -33,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
     simulate.add_parser(sub)
     bench.add_parser(sub)
+    eval_cmd.add_parser(sub)
+    export.add_parser(sub)
     slurm.add_parsers(sub)
     return parser
 

@@ -14,6 +14,7 @@ from dynmo_hpc.config.elastic import ElasticSection
 from dynmo_hpc.config.fault import FaultSection
 from dynmo_hpc.config.scheme_sections import SchemesSection
 from dynmo_hpc.config.sections import (
+    ARCH_SCHEMES,
     BalanceSection,
     CheckpointSection,
     DataSection,
@@ -57,6 +58,15 @@ class JobConfig:
             if hasattr(section, "validate"):
                 section.validate()
         self.schemes.validate_for(self.model)
+        supported = ARCH_SCHEMES[self.model.arch]
+        enabled = self.schemes.enabled
+        unsupported = [n for n in enabled if supported is not None and n not in supported]
+        if unsupported:
+            raise ConfigError(
+                f"schemes {', '.join(unsupported)} are not implemented for model.arch="
+                f"{self.model.arch} (it supports: {', '.join(sorted(supported or ())) or 'none'}); "
+                "HINT: remove them or use model.arch: gpt2"
+            )
         self.slurm.validate_for(self.pipeline)
         self.balance.validate_for(self.model)
         world_size = self.pipeline.world_size

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from dynmo_hpc.config.hf_model import apply_init_from
 from dynmo_hpc.config.job import JobConfig
 from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.errors import ConfigError
@@ -159,6 +160,9 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     try:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
+        model = data.get("model")
+        if isinstance(model, dict) and model.get("init_from") is not None:
+            data = {**data, "model": apply_init_from(model)}
         cfg: JobConfig = _build(JobConfig, data, "", source)
         try:
             cfg.validate()

@@ -164,10 +164,15 @@ class PruningSection:
 
     def validate_for(self, model: ModelSection) -> None:
         _check_block_layers("schemes.pruning.layers", self.layers, model.num_blocks)
-        if self.min_heads > model.num_heads:
+        heads, what = (
+            (model.kv_heads, "key/value groups (llama prunes whole groups)")
+            if model.arch == "llama"
+            else (model.num_heads, "heads")
+        )
+        if self.min_heads > heads:
             raise ConfigError(
-                f"schemes.pruning.min_heads({self.min_heads}) > model.num_heads"
-                f"({model.num_heads}); lower min_heads"
+                f"schemes.pruning.min_heads({self.min_heads}) > the {heads} {what} of a block "
+                "(model.num_heads); lower min_heads"
             )
 
 

@@ -60,6 +60,17 @@ class JobSection:
             raise ConfigError("job.out_dir='' is empty; HINT: use runs (the default) or a path")
 
 
+ARCH_SCHEMES: dict[str, frozenset[str] | None] = {
+    "gpt2": None,
+    "llama": None,
+}
+"""Model families by ``model.arch`` name, each with the schemes it supports (None: every
+scheme). A family registers itself in :mod:`dynmo_hpc.model.families`, which checks its name
+is here; a scheme missing from a family's set is refused by the config, never run silently."""
+
+GPT2_ACTIVATIONS = ("gelu", "gelu_tanh")
+"""gpt2's MLP activations: exact GELU, or its tanh approximation (Hugging Face's gelu_new)."""
+
 MAX_BLOCKS = 100_000
 """More blocks than any model trains: a larger value is a typo, refused before it costs memory."""
 
@@ -80,6 +91,23 @@ class ModelSection:
     """Byte-level tokens: 256."""
     layer_d_ff: list[int] | None = None
     """Optional per-block feed-forward widths (length num_blocks) to build an imbalanced model."""
+    arch: str = "gpt2"
+    """Model family (:data:`ARCH_SCHEMES`): ``gpt2`` (LayerNorm, learned positions, GELU MLP,
+    biased attention) or ``llama`` (RMSNorm, rotary positions, SwiGLU MLP, grouped-query
+    attention, no biases)."""
+    num_kv_heads: int | None = None
+    """llama: key/value heads (grouped-query attention), dividing num_heads; null = num_heads."""
+    norm_eps: float = 1e-5
+    """Epsilon of every normalisation (LayerNorm for gpt2, RMSNorm for llama)."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary position embedding's frequencies."""
+    activation: str = "gelu"
+    """gpt2: the MLP's GELU, ``gelu`` (exact) or ``gelu_tanh`` (Hugging Face's ``gelu_new``)."""
+    max_positions: int | None = None
+    """gpt2: rows of the learned position table (>= seq_len); null = seq_len."""
+    init_from: str | None = None
+    """A Hugging Face model directory (config.json and *.safetensors) whose weights replace the
+    initial weights; its config.json decides the model keys above (see docs/models.md)."""
 
     @property
     def num_layers(self) -> int:
@@ -90,10 +118,21 @@ class ModelSection:
         """Feed-forward width of the block at global layer index ``layer`` (1..num_blocks)."""
         return self.layer_d_ff[layer - 1] if self.layer_d_ff is not None else self.d_ff
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads when unset."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def num_positions(self) -> int:
+        """Rows of gpt2's learned position table."""
+        return self.max_positions if self.max_positions is not None else self.seq_len
+
     def validate(self) -> None:
         for key in ("num_blocks", "d_model", "num_heads", "d_ff", "seq_len", "vocab_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        self._validate_arch()
         if self.num_blocks > MAX_BLOCKS:
             raise ConfigError(
                 f"model.num_blocks={self.num_blocks} > {MAX_BLOCKS}; HINT: a typo? GPT-3 has 96"
@@ -126,6 +165,48 @@ class ModelSection:
                     "block's feed-forward width, e.g. 512"
                 )
 
+    def _validate_arch(self) -> None:
+        if self.arch not in ARCH_SCHEMES:
+            raise ConfigError(
+                f"model.arch={self.arch!r} is not a model family; valid: {', '.join(ARCH_SCHEMES)}"
+            )
+        if self.activation not in GPT2_ACTIVATIONS:
+            raise ConfigError(
+                f"model.activation={self.activation!r}; valid: {', '.join(GPT2_ACTIVATIONS)}"
+            )
+        if not (0.0 < self.norm_eps < 1.0) or not (self.rope_theta > 0.0):
+            raise ConfigError(
+                f"model.norm_eps={self.norm_eps} must be in (0, 1) and model.rope_theta="
+                f"{self.rope_theta} > 0; HINT: 1e-5 and 10000 are the usual values"
+            )
+        if self.arch != "llama" and self.num_kv_heads is not None:
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} needs model.arch: llama (gpt2 has one "
+                "key/value head per query head); HINT: remove it or set model.arch: llama"
+            )
+        if self.arch != "gpt2" and (self.activation != "gelu" or self.max_positions is not None):
+            raise ConfigError(
+                "model.activation and model.max_positions are gpt2 keys; llama uses SwiGLU and "
+                "rotary positions; HINT: remove them"
+            )
+        kv = self.kv_heads
+        if kv < 1 or self.num_heads % kv:
+            raise ConfigError(
+                f"model.num_heads({self.num_heads}) % model.num_kv_heads({kv}) != 0; HINT: "
+                "each key/value head serves a whole group of query heads"
+            )
+        if self.arch == "llama" and (self.d_model // self.num_heads) % 2:
+            raise ConfigError(
+                f"model.d_model({self.d_model}) / model.num_heads({self.num_heads}) is odd; "
+                "rotary embeddings rotate pairs of dimensions; HINT: use an even head size"
+            )
+        if self.num_positions < self.seq_len:
+            raise ConfigError(
+                f"model.max_positions({self.max_positions}) < model.seq_len({self.seq_len}); "
+                "HINT: raise max_positions or remove it"
+            )
+        printable("model.init_from", self.init_from)
+
     def layer_params(self) -> list[int]:
         """Parameters of each layer at initialization (embedding, blocks, head), dense blocks.
 
@@ -133,7 +214,15 @@ class ModelSection:
         (``balance.capacity_bytes``); MoE experts only add to it.
         """
         d = self.d_model
-        embedding = (self.vocab_size + self.seq_len) * d
+        if self.arch == "llama":
+            kv_width = self.kv_heads * (d // self.num_heads)
+            attention = 2 * d * d + 2 * d * kv_width  # q, o (d x d) and k, v (kv_width x d)
+            blocks = [
+                attention + 2 * d + 3 * d * self.block_d_ff(i)  # two RMSNorms, gate/up/down
+                for i in range(1, self.num_blocks + 1)
+            ]
+            return [self.vocab_size * d, *blocks, d * self.vocab_size + d]
+        embedding = (self.vocab_size + self.num_positions) * d
         attention = 4 * d * d + 4 * d  # c_attn (3d x d + 3d) and c_proj (d x d + d)
         norms = 4 * d  # two LayerNorms, weight and bias
         blocks = [

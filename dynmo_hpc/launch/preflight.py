@@ -9,7 +9,8 @@ SLURM, a queue wait) and ends as a traceback per rank; found here it is one ``er
 by ``dynmo-hpc sbatch --submit`` and by :func:`dynmo_hpc.slurm.submit.submit` (with
 ``for_slurm=True``); the SLURM manager repeats the data, run-directory and device checks on
 the node. torch is only
-imported when ``runtime.device`` is ``cuda`` on a local run, so the SLURM commands stay light.
+imported when ``runtime.device`` is ``cuda`` on a local run or ``model.init_from`` names a
+Hugging Face checkpoint (its tensors are checked here), so the SLURM commands stay light.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
         LaunchError: the run directory, the device or the MPI launcher cannot be used.
     """
     check_data(cfg)
+    if cfg.model.init_from is not None:  # every tensor present with its shape, none left over
+        from dynmo_hpc.model.hf_weights import HFCheckpoint, check_checkpoint
+
+        check_checkpoint(cfg.model, HFCheckpoint(cfg.model.init_from))
     try:
         check_run_dir(cfg.run_dir)
     except OSError as exc:  # a name too long for the file system, a permission error

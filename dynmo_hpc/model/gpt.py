@@ -65,14 +65,19 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+GELU_APPROXIMATION = {"gelu": "none", "gelu_tanh": "tanh"}
+"""``model.activation`` -> ``F.gelu``'s ``approximate`` (tanh: Hugging Face's ``gelu_new``)."""
+
+
 class MLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu") -> None:
         super().__init__()
         self.c_fc = nn.Linear(d_model, d_ff)
         self.c_proj = nn.Linear(d_ff, d_model)
+        self.approximate = GELU_APPROXIMATION[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class Embedding(nn.Module):
@@ -81,7 +86,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.num_positions, cfg.d_model)
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         T = ctx.tokens.shape[1]
@@ -94,10 +99,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelSection, d_ff: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn: nn.Module = CausalSelfAttention(cfg.d_model, cfg.num_heads)
-        self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp: nn.Module = MLP(cfg.d_model, d_ff)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp: nn.Module = MLP(cfg.d_model, d_ff, cfg.activation)
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         assert x is not None
@@ -112,7 +117,7 @@ class Head(nn.Module):
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:

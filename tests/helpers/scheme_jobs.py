@@ -46,6 +46,24 @@ SCHEME_OVERRIDES: dict[str, list[str]] = {
     "mod": ["schemes.mod.layers=[1,2,4]", "schemes.mod.layer_capacity=[0.5,0.25,0.75]"],
 }
 
+LLAMA = [
+    "model.arch=llama",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.rope_theta=500.0",
+]
+"""The TINY model as a Llama with grouped-query attention (4 query heads in 2 key/value groups)."""
+
+
+def arch_schemes(arch: str) -> list[str]:
+    """The built-in schemes model family ``arch`` supports (``ARCH_SCHEMES``; None = all)."""
+    from dynmo_hpc.config.sections import ARCH_SCHEMES
+    from dynmo_hpc.model.schemes import BUILTIN_SCHEMES
+
+    supported = ARCH_SCHEMES[arch]
+    return [s.name for s in BUILTIN_SCHEMES if supported is None or s.name in supported]
+
+
 SCHEME_EVENT_KINDS = ("scheme_stats", "prune", "freeze")
 """Run-log event kinds the scheme controller writes."""
 
@@ -70,7 +88,11 @@ def scheme_acted(scheme: str, events: list[dict[str, Any]]) -> bool:
     if scheme == "freezing":
         return any(e["frozen_prefix_end"] >= 3 for e in stats)
     if scheme == "sparse_attention":
-        return any(v.get("attn.kept_blocks", 0) < v.get("attn.causal_blocks", 0) for v in layers)
+        return any(
+            v.get(f"{attn}.kept_blocks", 0) < v.get(f"{attn}.causal_blocks", 0)
+            for v in layers
+            for attn in ("attn", "self_attn")  # gpt2's and llama's attention module
+        )
     if scheme == "early_exit":
         return any(v.get("exit_head.exited", 0) > 0 for v in layers)
     if scheme == "mod":

@@ -29,12 +29,14 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.model.gpt import Block, Embedding, Head, Spec, init_layer_, layer_kind
+from dynmo_hpc.model import families
+from dynmo_hpc.model.gpt import Spec, layer_kind
 from dynmo_hpc.model.gpt import activation_spec as base_activation_spec
-from dynmo_hpc.model.gpt import build_layer as base_build_layer
+from dynmo_hpc.model.hf_weights import HFCheckpoint, load_layer_
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
 from dynmo_hpc.model.schemes.early_exit import EarlyExitScheme
 from dynmo_hpc.model.schemes.freezing import FreezingScheme
+from dynmo_hpc.model.schemes.llama_blocks import LlamaSchemeBlock
 from dynmo_hpc.model.schemes.mod import MoDScheme
 from dynmo_hpc.model.schemes.moe import MoEScheme
 from dynmo_hpc.model.schemes.pruning import PruningScheme
@@ -81,38 +83,42 @@ for _scheme in BUILTIN_SCHEMES:
     register(_scheme)
 
 
+SCHEME_BLOCKS: dict[str, type[nn.Module]] = {"gpt2": SchemeBlock, "llama": LlamaSchemeBlock}
+"""``model.arch`` -> the block schemes plug into (``config.sections.ARCH_SCHEMES`` says which
+schemes each family supports)."""
+
 # --------------------------------------------------------------------------------------------
 # Building layers
 # --------------------------------------------------------------------------------------------
 
 
 def _build_module(cfg: JobConfig, index: int, schemes: Sequence[Scheme]) -> nn.Module:
-    """Layer ``index`` before initialisation: a scheme's replacement, a scheme block or plain."""
+    """Layer ``index`` before initialisation: a scheme's replacement, a scheme block or the
+    family's plain layer."""
     kind = layer_kind(cfg.model, index)
     for scheme in schemes:
         module = scheme.replace_layer(kind)
         if module is not None:
             return module
-    if kind == "embedding":
-        return Embedding(cfg.model)
-    if kind == "head":
-        return Head(cfg.model)
-    d_ff = cfg.model.block_d_ff(index)
-    if not any(scheme.changes_block for scheme in schemes):
-        return Block(cfg.model, d_ff)
-    block = SchemeBlock(cfg.model, d_ff)
+    if kind != "block" or not any(scheme.changes_block for scheme in schemes):
+        return families.build_module(cfg.model, index)
+    block = SCHEME_BLOCKS[cfg.model.arch](cfg.model, cfg.model.block_d_ff(index))
     for scheme in schemes:
         scheme.configure_block(block, index)
     return block
 
 
-def build_layer(cfg: JobConfig, index: int) -> nn.Module:
-    """Global layer ``index`` with the configured schemes applied."""
+def build_layer(cfg: JobConfig, index: int, *, import_weights: bool = True) -> nn.Module:
+    """Global layer ``index`` with the configured schemes applied; with ``model.init_from``
+    (and ``import_weights``) its weights are then read from that Hugging Face directory."""
     schemes = enabled_schemes(cfg)
     if not schemes:
-        return base_build_layer(cfg.model, cfg.job.seed, index)
-    module = _build_module(cfg, index, schemes)
-    init_layer_(module, cfg.model, cfg.job.seed, index)
+        module = families.build_layer(cfg.model, cfg.job.seed, index)
+    else:
+        module = _build_module(cfg, index, schemes)
+        families.family_of(cfg.model).init_layer(module, cfg.model, cfg.job.seed, index)
+    if import_weights and cfg.model.init_from is not None:
+        load_layer_(module, cfg.model, index, HFCheckpoint(cfg.model.init_from))
     for scheme in schemes:
         scheme.attach(module, index)
     return module
@@ -124,7 +130,7 @@ def restore_layer(cfg: JobConfig, index: int, state: dict[str, torch.Tensor]) ->
     The fresh layer is made to accept the state (pruned shapes), loaded, and then each scheme
     re-derives what the state implies (the frozen flag's ``requires_grad``).
     """
-    module = build_layer(cfg, index)
+    module = build_layer(cfg, index, import_weights=False)
     schemes = enabled_schemes(cfg)
     for scheme in schemes:
         scheme.before_load(module, state)

@@ -73,7 +73,9 @@ class SchemeAttention(nn.Module):
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         return q, k, v
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C); ``positions`` is ignored (gpt2's positions are in the
+        residual stream already; rotary families use it)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
         if self.sparse_block_size is None or self.density is None:

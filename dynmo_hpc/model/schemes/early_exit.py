@@ -22,6 +22,10 @@ that have not exited), with its gradient flowing back to the exit head and the l
 Training the exits: each exit head also adds ``exit_loss_weight`` x its mean cross-entropy over
 the tokens that reach it to the auxiliary losses (so exit heads learn before tokens use them).
 
+On llama models the exit heads use RMSNorm, the embedding and head are the llama ones, and the
+active tokens' queries are rotated by their own positions (``attend_active`` of
+:class:`~.llama_blocks.LlamaSchemeAttention`).
+
 Why a head per exit layer rather than the final head shared across stages: the exit layers and
 the LM head live on different ranks, and a shared head would need its gradient all-reduced every
 step and its weights kept in sync through migrations. A per-layer head is owned by its block and
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_hpc.config import EarlyExitSection, ModelSection
+from dynmo_hpc.model.families.llama import LlamaEmbedding, LlamaHead, RMSNorm
 from dynmo_hpc.model.gpt import Embedding, Head, MicrobatchContext, Payload
 from dynmo_hpc.model.schemes.blocks import SchemeBlock
 from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot, Spec
@@ -61,7 +66,9 @@ class ExitHead(nn.Module):
 
     def __init__(self, cfg: ModelSection, section: EarlyExitSection) -> None:
         super().__init__()
-        self.ln = nn.LayerNorm(cfg.d_model)
+        self.ln: nn.Module = (
+            RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.d_model)
+        )
         self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.threshold = section.threshold
         self.loss_weight = section.exit_loss_weight
@@ -103,13 +110,41 @@ class ExitHead(nn.Module):
         }
 
 
+def _start_active(h: Tensor) -> Payload:
+    B, T, _ = h.shape
+    return {"h": h, "active": h.new_ones(B, T), "exit_nll": h.new_zeros(B, T)}
+
+
+def _final_loss(logits_of: Any, x: Payload, ctx: MicrobatchContext) -> None:
+    """``ctx.loss`` over every token: the final head on the active ones (``logits_of`` maps
+    their (N, C) hidden states to logits), the carried exit losses for the others."""
+    active = x["active"].detach() > 0.5  # (B, T)
+    logits = logits_of(x["h"][active])  # (N, V)
+    ce_sum = F.cross_entropy(logits, ctx.targets[active], reduction="sum")
+    ctx.loss = (ce_sum + x["exit_nll"].sum()) / active.numel()
+
+
 class EarlyExitEmbedding(Embedding):
     """Layer 0 of an early-exit model: every token starts active with no exit loss."""
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
-        h = super().forward(x, ctx)["h"]  # (B, T, C)
-        B, T, _ = h.shape
-        return {"h": h, "active": h.new_ones(B, T), "exit_nll": h.new_zeros(B, T)}
+        return _start_active(super().forward(x, ctx)["h"])  # (B, T, C) and the masks
+
+
+class LlamaEarlyExitEmbedding(LlamaEmbedding):
+    """Layer 0 of a llama early-exit model (as :class:`EarlyExitEmbedding`)."""
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        return _start_active(super().forward(x, ctx)["h"])
+
+
+class LlamaEarlyExitHead(LlamaHead):
+    """The last layer of a llama early-exit model (as :class:`EarlyExitHead`)."""
+
+    def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
+        assert x is not None
+        _final_loss(lambda h: self.lm_head(self.norm(h)), x, ctx)
+        return {}
 
 
 class EarlyExitHead(Head):
@@ -166,10 +201,11 @@ class EarlyExitScheme(Scheme):
     counter_attrs = ("stats", "token_stats")
 
     def replace_layer(self, kind: str) -> nn.Module | None:
+        llama = self.cfg.model.arch == "llama"
         if kind == "embedding":
-            return EarlyExitEmbedding(self.cfg.model)
+            return (LlamaEarlyExitEmbedding if llama else EarlyExitEmbedding)(self.cfg.model)
         if kind == "head":
-            return EarlyExitHead(self.cfg.model)
+            return (LlamaEarlyExitHead if llama else EarlyExitHead)(self.cfg.model)
         return None
 
     def configure_block(self, block: Any, index: int) -> None:

@@ -100,7 +100,7 @@ def routed_forward(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Pa
     top, weight = block.depth_router(h)  # (B, k), (B, k, 1)
     index = top[..., None].expand(B, top.shape[1], C)  # (B, k, C)
     h_sel = h.gather(1, index)  # (B, k, C)
-    u = h_sel + block.attn(block.ln_1(h_sel))  # (B, k, C): causal over sorted positions
+    u = h_sel + block.attn(block.ln_1(h_sel), positions=top)  # (B, k, C): causal, sorted
     u = u + block.feed_forward(block.ln_2(u), ctx)
     h_new = h_sel + weight * (u - h_sel)  # (B, k, C)
     return {**x, "h": h.scatter(1, index, h_new)}

@@ -7,8 +7,8 @@ assignments are served in priority order, every token's first choice before any 
 and within a choice in token order (GShard). An assignment over capacity is either dropped (the
 token's residual stream carries it past the expert) or, with ``overflow: reroute``, offered to
 the token's next-ranked experts in turn until one has room. Each expert is an ordinary ``MLP``
-run on exactly the tokens routed to it (gathered), so the block's compute, and the cost the
-profiler measures, follows the routed token counts.
+(a ``SwiGLU`` on llama blocks) run on exactly the tokens routed to it (gathered), so the
+block's compute, and the cost the profiler measures, follows the routed token counts.
 
 With ``dispatch: padded`` every expert instead runs on as many rows as the busiest expert serves
 (its own rows, then zero rows), which is what a batched (E, capacity, C) dispatch computes when
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dynmo_hpc.config import MoESection
+from dynmo_hpc.model.families.llama import SwiGLU
 from dynmo_hpc.model.gpt import MLP
 from dynmo_hpc.model.schemes.registry import Scheme
 
@@ -89,9 +90,12 @@ def plan_routing(ranked: Tensor, top_k: int, capacity: int, overflow: str) -> Te
 
 
 class MoEFeedForward(nn.Module):
-    """E expert MLPs behind a top-k router; ``forward`` maps (N, C) -> ((N, C), aux loss)."""
+    """E expert MLPs behind a top-k router; ``forward`` maps (N, C) -> ((N, C), aux loss).
 
-    def __init__(self, d_model: int, d_ff: int, section: MoESection) -> None:
+    ``swiglu``: the experts are the llama family's SwiGLU (gate, up, down; no biases) instead of
+    gpt2's GELU ``MLP``."""
+
+    def __init__(self, d_model: int, d_ff: int, section: MoESection, swiglu: bool = False) -> None:
         super().__init__()
         self.num_experts = section.num_experts
         self.top_k = section.top_k
@@ -100,7 +104,10 @@ class MoEFeedForward(nn.Module):
         self.dispatch = section.dispatch
         self.aux_loss_weight = section.aux_loss_weight
         self.router = nn.Linear(d_model, section.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(d_model, d_ff) for _ in range(section.num_experts))
+        self.experts = nn.ModuleList(
+            (SwiGLU(d_model, d_ff) if swiglu else MLP(d_model, d_ff))
+            for _ in range(section.num_experts)
+        )
         self.stats: dict[str, float] = {}
         """Routed, dropped and rerouted assignments and per-expert tokens since the last report."""
         self.last_tokens_per_expert: list[int] = []
@@ -132,12 +139,20 @@ class MoEFeedForward(nn.Module):
         expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts_t)
         row = torch.cat([torch.arange(n, device=x.device) for n in counts])  # (S,)
         dispatched = x.new_zeros(num_experts, rows, width).index_put((expert, row), x[tokens])
-        fc_w = torch.stack([e.c_fc.weight for e in self.experts])  # (E, F, C)
-        fc_b = torch.stack([e.c_fc.bias for e in self.experts])  # (E, F)
-        proj_w = torch.stack([e.c_proj.weight for e in self.experts])  # (E, C, F)
-        proj_b = torch.stack([e.c_proj.bias for e in self.experts])  # (E, C)
-        hidden = F.gelu(torch.baddbmm(fc_b[:, None], dispatched, fc_w.transpose(1, 2)))
-        y = torch.baddbmm(proj_b[:, None], hidden, proj_w.transpose(1, 2))  # (E, rows, C)
+        if isinstance(self.experts[0], SwiGLU):
+            gate_w = torch.stack([e.gate_proj.weight for e in self.experts])  # (E, F, C)
+            up_w = torch.stack([e.up_proj.weight for e in self.experts])  # (E, F, C)
+            down_w = torch.stack([e.down_proj.weight for e in self.experts])  # (E, C, F)
+            gate = torch.bmm(dispatched, gate_w.transpose(1, 2))  # (E, rows, F)
+            hidden = F.silu(gate) * torch.bmm(dispatched, up_w.transpose(1, 2))  # (E, rows, F)
+            y = torch.bmm(hidden, down_w.transpose(1, 2))  # (E, rows, C)
+        else:
+            fc_w = torch.stack([e.c_fc.weight for e in self.experts])  # (E, F, C)
+            fc_b = torch.stack([e.c_fc.bias for e in self.experts])  # (E, F)
+            proj_w = torch.stack([e.c_proj.weight for e in self.experts])  # (E, C, F)
+            proj_b = torch.stack([e.c_proj.bias for e in self.experts])  # (E, C)
+            hidden = F.gelu(torch.baddbmm(fc_b[:, None], dispatched, fc_w.transpose(1, 2)))
+            y = torch.baddbmm(proj_b[:, None], hidden, proj_w.transpose(1, 2))  # (E, rows, C)
         served = y[expert, row] * gates[tokens, slots, None]  # (S, C)
         return torch.zeros_like(x).index_add(0, tokens, served)
 
@@ -159,7 +174,7 @@ class MoEFeedForward(nn.Module):
         routes = [(assignment == e).nonzero(as_tuple=True) for e in range(self.num_experts)]
         counts = [int(tokens.numel()) for tokens, _ in routes]
         rows = max(counts) if self.dispatch == "padded" else 0
-        if rows and len({tuple(e.c_fc.weight.shape) for e in self.experts}) == 1:
+        if rows and len({tuple(next(e.parameters()).shape) for e in self.experts}) == 1:
             out = self._batched_padded(x, routes, counts, rows, gates)
         else:
             out = torch.zeros_like(x)  # (N, C)
@@ -203,4 +218,9 @@ class MoEScheme(Scheme):
         if section.layers is not None and index not in section.layers:
             return
         d_ff = self.cfg.model.block_d_ff(index)
-        block.mlp = MoEFeedForward(self.cfg.model.d_model, section.d_ff_expert or d_ff, section)
+        block.mlp = MoEFeedForward(
+            self.cfg.model.d_model,
+            section.d_ff_expert or d_ff,
+            section,
+            swiglu=self.cfg.model.arch == "llama",
+        )

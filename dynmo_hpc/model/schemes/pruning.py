@@ -19,6 +19,11 @@ feed-forward neurons (a row of ``c_fc`` and a column of ``c_proj``, experts' inc
 attention heads (their query, key and value rows of ``c_attn`` and columns of ``c_proj``), and the
 matrices physically shrink: the compute reduction is real on any device and the profiler sees it.
 
+On ``llama`` blocks a neuron is a row of ``gate_proj`` and ``up_proj`` and a column of
+``down_proj``, and heads go in whole key/value groups (grouped-query attention: a group's query
+heads, its key and value head and its ``o_proj`` columns), so the head structure stays valid:
+``min_heads`` and the head sparsity count groups there.
+
 Optimizer: the layer's AdamW is rebuilt over the shrunk parameters and keeps the surviving rows'
 moments and the step count, so training continues as if the removed rows had never existed.
 """
@@ -33,11 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dynmo_hpc.config import JobConfig, PruningSection
+from dynmo_hpc.config import JobConfig, ModelSection, PruningSection
+from dynmo_hpc.model.families.llama import SwiGLU
 from dynmo_hpc.model.gpt import MLP
 from dynmo_hpc.model.optim import build_optimizer
 from dynmo_hpc.model.schemes.blocks import SchemeAttention, SchemeBlock
 from dynmo_hpc.model.schemes.freezing import is_frozen
+from dynmo_hpc.model.schemes.llama_blocks import LlamaSchemeAttention, LlamaSchemeBlock
 from dynmo_hpc.model.schemes.moe import MoEFeedForward
 from dynmo_hpc.model.schemes.registry import AllGather, Scheme, Slot
 
@@ -58,6 +65,12 @@ def sparsity_at(section: PruningSection, step: int) -> float | None:
     frac = (step - t0) / (end - t0)
     s_i, s_f = section.initial_sparsity, section.final_sparsity
     return s_f + (s_i - s_f) * (1.0 - frac) ** 3
+
+
+def num_head_units(model: ModelSection) -> int:
+    """Prunable head structures per block: heads (gpt2), or whole key/value groups (llama:
+    a group's query heads, its key and value head and their output columns go together)."""
+    return model.kv_heads if model.arch == "llama" else model.num_heads
 
 
 def eligible_layers(cfg: JobConfig) -> list[int]:
@@ -86,7 +99,7 @@ def initial_counts(cfg: JobConfig) -> dict[str, int]:
             else:
                 counts[NEURON] += d_ff
         if section.prune_heads:
-            counts[HEAD] += cfg.model.num_heads
+            counts[HEAD] += num_head_units(cfg.model)
     return {kind: n for kind, n in counts.items() if n}
 
 
@@ -111,11 +124,41 @@ class Candidate:
     """Counts towards the sparsity but may not be removed (its layer is frozen)."""
 
 
-def neuron_scores(mlp: MLP) -> Tensor:
-    """(d_ff,) L2 norm of each neuron's input row and output column."""
+def neuron_scores(mlp: MLP | SwiGLU) -> Tensor:
+    """(d_ff,) L2 norm of each neuron's input row(s) and output column (SwiGLU: its gate and
+    up rows and its down column)."""
+    if isinstance(mlp, SwiGLU):
+        w_gate = mlp.gate_proj.weight.detach().double()  # (F, C)
+        w_up = mlp.up_proj.weight.detach().double()  # (F, C)
+        w_down = mlp.down_proj.weight.detach().double()  # (C, F)
+        return torch.sqrt((w_gate**2).sum(1) + (w_up**2).sum(1) + (w_down**2).sum(0))
     w_in = mlp.c_fc.weight.detach().double()  # (F, C)
     w_out = mlp.c_proj.weight.detach().double()  # (C, F)
     return torch.sqrt((w_in**2).sum(1) + (w_out**2).sum(0))
+
+
+def group_rows(attn: LlamaSchemeAttention, groups: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Rows of ``q_proj`` (= columns of ``o_proj``) and rows of ``k_proj``/``v_proj`` of the
+    given key/value groups (a group: ``num_heads / num_kv_heads`` query heads, one kv head)."""
+    hs, rep = attn.head_size, attn.num_heads // attn.num_kv_heads
+    device = attn.q_proj.weight.device
+    q_rows = [torch.arange(g * rep * hs, (g + 1) * rep * hs, device=device) for g in groups]
+    kv_rows = [torch.arange(g * hs, (g + 1) * hs, device=device) for g in groups]
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return (torch.cat(q_rows) if q_rows else empty, torch.cat(kv_rows) if kv_rows else empty)
+
+
+def group_scores(attn: LlamaSchemeAttention) -> Tensor:
+    """(num_kv_heads,) L2 norm of each key/value group's q, k, v rows and o_proj columns."""
+    scores = []
+    for g in range(attn.num_kv_heads):
+        q_rows, kv_rows = group_rows(attn, [g])
+        total = (attn.q_proj.weight.detach().double()[q_rows] ** 2).sum()
+        total = total + (attn.o_proj.weight.detach().double()[:, q_rows] ** 2).sum()
+        for proj in (attn.k_proj, attn.v_proj):
+            total = total + (proj.weight.detach().double()[kv_rows] ** 2).sum()
+        scores.append(total)
+    return torch.sqrt(torch.stack(scores)) if scores else torch.zeros(0, dtype=torch.float64)
 
 
 def head_rows(attn: SchemeAttention, heads: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -142,9 +185,9 @@ def prunable_groups(module: nn.Module, section: PruningSection) -> list[tuple[st
     """(kind, path, module) of every prunable group in a block: its MLPs/experts and attention."""
     groups: list[tuple[str, str, nn.Module]] = []
     for path, sub in module.named_modules():
-        if section.prune_neurons and isinstance(sub, MLP):
+        if section.prune_neurons and isinstance(sub, MLP | SwiGLU):
             groups.append((NEURON, path, sub))
-        elif section.prune_heads and isinstance(sub, SchemeAttention):
+        elif section.prune_heads and isinstance(sub, SchemeAttention | LlamaSchemeAttention):
             groups.append((HEAD, path, sub))
     return groups
 
@@ -155,8 +198,10 @@ def layer_candidates(
     """Every remaining prunable structure of one layer, with its score."""
     out: list[Candidate] = []
     for kind, path, sub in prunable_groups(module, section):
-        if isinstance(sub, MLP):
+        if isinstance(sub, MLP | SwiGLU):
             scores = neuron_scores(sub)
+        elif isinstance(sub, LlamaSchemeAttention):
+            scores = group_scores(sub)
         else:
             assert isinstance(sub, SchemeAttention)
             scores = head_scores(sub)
@@ -229,8 +274,17 @@ Slicing = dict[str, tuple[int, Tensor]]
 """Parameter name -> (dimension, kept indices): how optimizer state rows map after a shrink."""
 
 
-def shrink_mlp(mlp: MLP, keep: Tensor, prefix: str) -> Slicing:
+def shrink_mlp(mlp: MLP | SwiGLU, keep: Tensor, prefix: str) -> Slicing:
     """Keep neurons ``keep`` of ``mlp`` (in place); returns the parameter slicing."""
+    if isinstance(mlp, SwiGLU):
+        mlp.gate_proj = _shrink_linear(mlp.gate_proj, 0, keep)
+        mlp.up_proj = _shrink_linear(mlp.up_proj, 0, keep)
+        mlp.down_proj = _shrink_linear(mlp.down_proj, 1, keep)
+        return {
+            f"{prefix}gate_proj.weight": (0, keep),
+            f"{prefix}up_proj.weight": (0, keep),
+            f"{prefix}down_proj.weight": (1, keep),
+        }
     mlp.c_fc = _shrink_linear(mlp.c_fc, 0, keep)
     mlp.c_proj = _shrink_linear(mlp.c_proj, 1, keep)
     return {
@@ -250,6 +304,24 @@ def shrink_attention(attn: SchemeAttention, keep_heads: Sequence[int], prefix: s
         f"{prefix}c_attn.weight": (0, rows),
         f"{prefix}c_attn.bias": (0, rows),
         f"{prefix}c_proj.weight": (1, cols),
+    }
+
+
+def shrink_groups(attn: LlamaSchemeAttention, keep_groups: Sequence[int], prefix: str) -> Slicing:
+    """Keep key/value groups ``keep_groups`` of ``attn`` (in place); returns the slicing."""
+    q_rows, kv_rows = group_rows(attn, keep_groups)
+    rep = attn.num_heads // attn.num_kv_heads
+    attn.q_proj = _shrink_linear(attn.q_proj, 0, q_rows)
+    attn.k_proj = _shrink_linear(attn.k_proj, 0, kv_rows)
+    attn.v_proj = _shrink_linear(attn.v_proj, 0, kv_rows)
+    attn.o_proj = _shrink_linear(attn.o_proj, 1, q_rows)
+    attn.num_kv_heads = len(keep_groups)
+    attn.num_heads = len(keep_groups) * rep
+    return {
+        f"{prefix}q_proj.weight": (0, q_rows),
+        f"{prefix}k_proj.weight": (0, kv_rows),
+        f"{prefix}v_proj.weight": (0, kv_rows),
+        f"{prefix}o_proj.weight": (1, q_rows),
     }
 
 
@@ -292,12 +364,14 @@ def apply_removals(
         prefix = f"{path}." if path else ""
         drop = set(indices)
         if kind == NEURON:
-            assert isinstance(sub, MLP)
-            width = sub.c_fc.out_features
-            keep = torch.tensor(
-                [i for i in range(width) if i not in drop], device=sub.c_fc.weight.device
-            )
+            assert isinstance(sub, MLP | SwiGLU)
+            width = ffn_width(sub)
+            device = next(sub.parameters()).device
+            keep = torch.tensor([i for i in range(width) if i not in drop], device=device)
             slicing.update(shrink_mlp(sub, keep, prefix))
+        elif isinstance(sub, LlamaSchemeAttention):
+            kept_groups = [g for g in range(sub.num_kv_heads) if g not in drop]
+            slicing.update(shrink_groups(sub, kept_groups, prefix))
         else:
             assert isinstance(sub, SchemeAttention)
             heads = [h for h in range(sub.num_heads) if h not in drop]
@@ -346,21 +420,28 @@ def prune_step(
     }
 
 
+def ffn_width(mlp: MLP | SwiGLU) -> int:
+    """Neurons an MLP or SwiGLU still has."""
+    return mlp.up_proj.out_features if isinstance(mlp, SwiGLU) else mlp.c_fc.out_features
+
+
 def layer_sparsity(module: nn.Module, cfg: JobConfig, index: int) -> dict[str, float]:
     """Fraction of a block's prunable weights removed, by kind (for reports and tests)."""
-    if not isinstance(module, SchemeBlock):
+    if not isinstance(module, SchemeBlock | LlamaSchemeBlock):
         return {}
-    init_heads = cfg.model.num_heads
     out: dict[str, float] = {}
-    heads = module.attn.num_heads
-    out[HEAD] = 1.0 - heads / init_heads
-    mlps = [m for m in module.modules() if isinstance(m, MLP)]
+    attn = module.attn
+    if isinstance(attn, LlamaSchemeAttention):
+        out[HEAD] = 1.0 - attn.num_kv_heads / cfg.model.kv_heads
+    else:
+        out[HEAD] = 1.0 - attn.num_heads / cfg.model.num_heads
+    mlps = [m for m in module.modules() if isinstance(m, MLP | SwiGLU)]
     d_ff = cfg.model.block_d_ff(index)
     moe = cfg.schemes.moe
     width = d_ff
     if moe is not None and isinstance(module.mlp, MoEFeedForward):
         width = moe.d_ff_expert or d_ff
-    out[NEURON] = 1.0 - sum(m.c_fc.out_features for m in mlps) / (width * len(mlps))
+    out[NEURON] = 1.0 - sum(ffn_width(m) for m in mlps) / (width * len(mlps))
     return out
 
 
@@ -371,7 +452,15 @@ def conform_to_state_dict(module: nn.Module, state: dict[str, Tensor]) -> None:
     """
     for path, sub in list(module.named_modules()):
         prefix = f"{path}." if path else ""
-        if isinstance(sub, MLP):
+        if isinstance(sub, SwiGLU):
+            width = state[f"{prefix}up_proj.weight"].shape[0]
+            if width != sub.up_proj.out_features:
+                shrink_mlp(sub, torch.arange(width, device=sub.up_proj.weight.device), prefix)
+        elif isinstance(sub, LlamaSchemeAttention):
+            groups = state[f"{prefix}k_proj.weight"].shape[0] // sub.head_size
+            if groups != sub.num_kv_heads:
+                shrink_groups(sub, list(range(groups)), prefix)
+        elif isinstance(sub, MLP):
             width = state[f"{prefix}c_fc.weight"].shape[0]
             if width != sub.c_fc.out_features:
                 shrink_mlp(sub, torch.arange(width, device=sub.c_fc.weight.device), prefix)
@@ -402,6 +491,6 @@ class PruningScheme(Scheme):
             for kind, value in layer_sparsity(slot.module, self.cfg, slot.index).items()
         }
         attn = getattr(slot.module, "attn", None)
-        if isinstance(attn, SchemeAttention):
+        if isinstance(attn, SchemeAttention | LlamaSchemeAttention):
             out["attn.num_heads"] = float(attn.num_heads)
         return out
