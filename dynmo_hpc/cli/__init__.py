@@ -2,6 +2,7 @@
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
 :mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`,
+:mod:`~dynmo_hpc.cli.prepare_data`,
 :mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``). The CLI is the only place that parses
 argv or prints; everything it calls logs or returns values, and nothing outside this package
 imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.cli import bench, plan, report, run, simulate, slurm
+from dynmo_hpc.cli import bench, plan, prepare_data, report, run, simulate, slurm
 from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError, Interrupted
 from dynmo_hpc.logging_utils import setup_logging
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
     simulate.add_parser(sub)
     bench.add_parser(sub)
+    prepare_data.add_parser(sub)
     slurm.add_parsers(sub)
     return parser
 

@@ -24,6 +24,7 @@ from dynmo_hpc.config.bounds import (
     in_range,
     printable,
 )
+from dynmo_hpc.config.data_source import TokenizerSection
 from dynmo_hpc.errors import ConfigError
 
 
@@ -77,7 +78,8 @@ class ModelSection:
     seq_len: int = 128
     """Context length in tokens (bytes)."""
     vocab_size: int = 256
-    """Byte-level tokens: 256."""
+    """Token ids the model embeds; when the job does not set it, the data's vocabulary
+    (256 for byte-level text, ``meta.json``'s for a prepared directory)."""
     layer_d_ff: list[int] | None = None
     """Optional per-block feed-forward widths (length num_blocks) to build an imbalanced model."""
 
@@ -147,9 +149,15 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
     path: str | None = None
-    """UTF-8 text file to train on; null uses the English docs that ship with CPython."""
+    """UTF-8 text file to train on (null: the English docs that ship with CPython), a flat
+    ``uint16`` ``.bin`` token file, or a directory written by ``dynmo-hpc prepare-data``."""
     val_fraction: float = 0.1
-    """Tail fraction of the text held out for validation."""
+    """Tail fraction of the text held out for validation (a prepared directory has its own)."""
+    tokenizer: TokenizerSection | None = None
+    """Tokenize the text of ``path`` (prepared once, before the ranks start, into
+    ``cache_dir``) instead of training on its bytes; null: byte-level."""
+    cache_dir: str | None = None
+    """Where ``tokenizer`` keeps prepared data; null: ``<job.out_dir>/.data_cache``."""
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -158,8 +166,10 @@ class DataSection:
                 "the last 10 % of the text"
             )
         printable("data.path", self.path)
+        printable("data.cache_dir", self.cache_dir)
         try:
-            missing = self.path is not None and not Path(self.path).is_file()
+            missing = self.path is not None and not Path(self.path).exists()
+            is_dir = self.path is not None and Path(self.path).is_dir()
         except OSError as exc:  # a name too long for the file system, a permission error
             raise ConfigError(
                 f"data.path={self.path!r} cannot be checked ({exc.strerror}); HINT: give a UTF-8 "
@@ -167,8 +177,16 @@ class DataSection:
             ) from None
         if missing:
             raise ConfigError(
-                f"data.path={self.path!r} is not a file; give a UTF-8 text file or null"
+                f"data.path={self.path!r} is not a file or directory; give a UTF-8 text file, a "
+                ".bin token file, a prepare-data directory, or null"
             )
+        if self.tokenizer is not None:
+            if is_dir:
+                raise ConfigError(
+                    f"data.path={self.path!r} is a prepared directory and data.tokenizer is set; "
+                    "HINT: a prepared directory has its tokenizer: drop data.tokenizer"
+                )
+            self.tokenizer.validate()
 
 
 @dataclass(frozen=True, kw_only=True)
