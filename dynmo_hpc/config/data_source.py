@@ -23,6 +23,9 @@ from typing import Any
 
 from dynmo_hpc.errors import ConfigError
 
+TOKEN_FILE_SUFFIX = ".bin"
+"""A ``data.path`` ending in this is a flat ``uint16`` token file, not text."""
+
 META_FILE = "meta.json"
 """The metadata file of a prepared token directory (``dynmo-hpc prepare-data``)."""
 
@@ -132,7 +135,7 @@ def data_vocab_size(path: str | None, tokenizer: TokenizerSection | None) -> int
         return BYTE_ALPHABET
     if is_prepared_dir(path):
         return int(read_meta(path)["vocab_size"])
-    if str(path).endswith(".bin"):
+    if str(path).endswith(TOKEN_FILE_SUFFIX):
         return None
     return BYTE_ALPHABET
 

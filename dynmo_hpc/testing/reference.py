@@ -55,7 +55,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
         for i, layer in ((i, build_layer(cfg, i)) for i in range(cfg.model.num_layers))
     ]
     controller = SchemeController(cfg)
-    dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+    dataset = TextDataset.for_job(cfg)
     num_mb = cfg.train.num_microbatches
     losses = []
     step_time_s = []

@@ -171,7 +171,7 @@ class Trainer:
         come from a checkpoint)."""
         cfg, topo = self.cfg, self.topo
         link = make_link(cfg.runtime, self.groups, self.device)
-        dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+        dataset = TextDataset.for_job(cfg)
         first_microbatch = topo.microbatches(cfg.train.num_microbatches).start
         return PipelineStage(
             cfg,
