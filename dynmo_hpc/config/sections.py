@@ -218,6 +218,12 @@ class TrainSection:
     strength. ``dynmo-hpc bench`` reports the ramp (steps before it) and the steady state
     (this step on) apart. None: half the run (``steps // 2``). Training does not read it."""
 
+    eval_interval: int = 0
+    """Steps between validation passes (and one after the last step); 0: none. Each scores the
+    same ``eval_windows`` validation windows, forward only, into the run log's ``eval`` table."""
+    eval_windows: int = 32
+    """Validation windows (sequences) per pass: a multiple of ``micro_batch_size``."""
+
     def steady_from_step(self) -> int:
         """:attr:`steady_state_step`, or half the run when it is not set."""
         return self.steps // 2 if self.steady_state_step is None else self.steady_state_step
@@ -234,6 +240,18 @@ class TrainSection:
                 "for half the run"
             )
         at_most("train.steps", self.steps, MAX_STEPS, "a typo? that is years of training")
+        if self.eval_interval < 0 or self.eval_windows < 1:
+            raise ConfigError(
+                f"train.eval_interval={self.eval_interval}, train.eval_windows="
+                f"{self.eval_windows}: need eval_interval >= 0 (0: no validation) and "
+                "eval_windows >= 1"
+            )
+        if self.eval_interval and self.eval_windows % self.micro_batch_size:
+            raise ConfigError(
+                f"train.eval_windows={self.eval_windows} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}; HINT: validation runs in "
+                f"microbatches, e.g. eval_windows={4 * self.micro_batch_size}"
+            )
         for key in ("micro_batch_size", "num_microbatches"):
             at_most(f"train.{key}", getattr(self, key), MAX_BATCH, "a typo? try 8")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

@@ -87,16 +87,19 @@ def open_source(
     return corpus[:num_train], corpus[num_train:]
 
 
-def check_source(data: DataSection, seq_len: int, vocab_size: int, out_dir: str) -> None:
+def check_source(data: DataSection, seq_len: int, vocab_size: int, out_dir: str) -> int:
     """Preflight: prepare a ``data.tokenizer`` cache if needed, then refuse data the ranks
     could not train on (the same checks :func:`open_source` makes, plus a ``.bin`` file's ids
     against ``vocab_size``).
+
+    Returns the validation split's length in tokens.
 
     Raises:
         ConfigError, DataError: the data is unusable; the message names it and the fix.
     """
     if data.tokenizer is not None:
         ensure_prepared(data, out_dir)
-    open_source(data, seq_len, out_dir)
+    _, val = open_source(data, seq_len, out_dir)
     if data.tokenizer is None and data.path is not None and is_token_file(data.path):
         check_vocab(open_tokens(data.path), vocab_size, source=f"data.path={data.path!r}")
+    return len(val)

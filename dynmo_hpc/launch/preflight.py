@@ -64,11 +64,17 @@ def check_data(cfg: JobConfig) -> None:
     data = cfg.data
     if data.tokenizer is None and (data.path is None or not _token_data(data.path)):
         corpus = read_corpus(data.path)
-        split_sizes(len(corpus), data.val_fraction, cfg.model.seq_len)
-        return
-    from dynmo_hpc.data.source import check_source
+        _, num_val = split_sizes(len(corpus), data.val_fraction, cfg.model.seq_len)
+    else:
+        from dynmo_hpc.data.source import check_source
 
-    check_source(data, cfg.model.seq_len, cfg.model.vocab_size, cfg.job.out_dir)
+        num_val = check_source(data, cfg.model.seq_len, cfg.model.vocab_size, cfg.job.out_dir)
+    if cfg.train.eval_interval and num_val == 0:
+        raise ConfigError(
+            f"train.eval_interval={cfg.train.eval_interval} scores validation windows, but the "
+            "data has no validation split; HINT: set data.val_fraction (e.g. 0.1), or "
+            "train.eval_interval=0"
+        )
 
 
 def _token_data(path: str) -> bool:

@@ -341,6 +341,21 @@ def plot_tokens_per_s(run: RunLog) -> Figure:
     return fig
 
 
+def plot_loss(run: RunLog) -> Figure:
+    """Training loss at each step, and the validation loss (``eval`` table) beside it."""
+    fig, ax = _figure("Loss", "cross-entropy (nats)")
+    steps = metrics.last_logged(run.steps)
+    if steps.empty:
+        _no_data(ax, "steps")
+        return fig
+    ax.plot(steps["step"], steps["loss"], label="training", linewidth=1)
+    if not run.eval.empty:
+        ax.plot(run.eval["step"], run.eval["loss"], "o-", label="validation", linewidth=1.5)
+    _mark_events(ax, run.events)
+    ax.legend(fontsize=8)
+    return fig
+
+
 def plot_resources(run: RunLog) -> Figure:
     """Ranks and nodes the job held at each step (a change of either shows as a step)."""
     fig, ax = _figure("Resources held", "count")
@@ -389,6 +404,7 @@ FIGURES = {
     "layer_stage_map": plot_layer_stage_map,
     "imbalance": plot_imbalance,
     "tokens_per_s": plot_tokens_per_s,
+    "loss": plot_loss,
     "resources": plot_resources,
     "nodes_throughput": plot_nodes_and_throughput,
 }
