@@ -50,6 +50,7 @@ CASES: dict[str, dict[str, Any]] = {
     "sparse_attention": {"scheme": "sparse_attention", "stages": (2, 3, 2), "extra": []},
     "early_exit": {"scheme": "early_exit", "stages": (3, 2, 3), "extra": []},
     "mod": {"scheme": "mod", "stages": (2, 3, 2), "extra": ["runtime.p2p=torch"]},
+    "bf16": {"scheme": None, "stages": (3, 2, 3), "extra": ["train.precision=bf16"]},
 }
 
 
@@ -70,6 +71,7 @@ REFERENCE_ON = {
     # case -> the communicator its reference run trains on (its second launch's stage count)
     "plain": "half0",
     "early_exit": "half1",
+    "bf16": "half0",
     "moe": "trio",
     "pruning": "trio",
     "freezing": "trio",

@@ -223,6 +223,9 @@ class TrainSection:
     same ``eval_windows`` validation windows, forward only, into the run log's ``eval`` table."""
     eval_windows: int = 32
     """Validation windows (sequences) per pass: a multiple of ``micro_batch_size``."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: each layer's forward under bf16 autocast (its backward follows), with fp32
+    weights, gradients, AdamW state and checkpoints; ``fp32``: everything fp32."""
 
     def steady_from_step(self) -> int:
         """:attr:`steady_state_step`, or half the run when it is not set."""

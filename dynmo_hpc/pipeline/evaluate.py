@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.precision import run_layer
 from dynmo_hpc.pipeline.stage import PipelineStage
 
 EVAL_STEP = 0
@@ -80,7 +81,7 @@ def evaluate(stage: PipelineStage, replica: int, num_replicas: int) -> float:
                 tokens=tokens.to(stage.device), targets=targets.to(stage.device)
             )
             for slot in stage.slots:
-                x = slot.module(x, ctx)
+                x = run_layer(slot.module, x, ctx, cfg.train.precision, stage.device.type)
             if stage.is_last:
                 assert ctx.loss is not None, "the last stage must end with the head"
                 total += float(ctx.loss)

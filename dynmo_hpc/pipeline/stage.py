@@ -26,6 +26,7 @@ from dynmo_hpc.config import JobConfig
 from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload, Spec
 from dynmo_hpc.model.optim import build_optimizer, scale_grads_, set_lr
+from dynmo_hpc.model.precision import run_layer
 from dynmo_hpc.model.schemes import activation_spec, build_layer
 from dynmo_hpc.pipeline.comm import StageLink
 from dynmo_hpc.pipeline.costs import LayerSize
@@ -218,7 +219,7 @@ class PipelineStage:
             x_in = _detach_inputs(x, needs_grad=slot.index > self.no_grad_below)
             num_aux_before = len(ctx.aux_losses)
             slot.forward_timer.start()
-            x = slot.module(x_in, ctx)
+            x = run_layer(slot.module, x_in, ctx, self.cfg.train.precision, self.device.type)
             slot.forward_timer.stop()
             saved.inputs.append(x_in)
             saved.outputs.append(x)

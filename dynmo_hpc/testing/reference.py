@@ -25,6 +25,7 @@ from dynmo_hpc.model.optim import (
     set_lr,
     squared_grad_norm,
 )
+from dynmo_hpc.model.precision import run_layer
 from dynmo_hpc.model.schemes import SchemeController, build_layer
 
 
@@ -68,7 +69,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             ctx = MicrobatchContext(tokens=tokens, targets=targets)
             x = None
             for slot in slots:
-                x = slot.module(x, ctx)
+                x = run_layer(slot.module, x, ctx, cfg.train.precision, "cpu")
             assert ctx.loss is not None
             objective = ctx.loss / num_mb
             for aux in ctx.aux_losses:
