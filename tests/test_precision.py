@@ -14,7 +14,7 @@ import torch
 from dynmo_hpc.checkpoint.store import load_layer, resolve
 from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext
-from dynmo_hpc.model.precision import run_layer
+from dynmo_hpc.model.layer_call import LayerCall
 from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import run_job, tiny_config
@@ -31,11 +31,12 @@ def test_layers_compute_in_bf16_and_hand_over_fp32(tmp_path: Path) -> None:
     outputs = {}
     for precision in ("fp32", "bf16"):
         ctx = MicrobatchContext(tokens=tokens, targets=targets)
+        call = LayerCall(precision=precision)
         x = None
-        for layer in layers[:-1]:
-            x = run_layer(layer, x, ctx, precision, "cpu")
+        for i, layer in enumerate(layers[:-1]):
+            x = call(i, layer, x, ctx)
             assert all(v.dtype == torch.float32 for v in x.values() if v.is_floating_point())
-        run_layer(layers[-1], x, ctx, precision, "cpu")
+        call(len(layers) - 1, layers[-1], x, ctx)
         assert ctx.loss is not None and ctx.loss.dtype == torch.float32
         ctx.loss.backward()
         assert all(p.grad.dtype == torch.float32 for m in layers for p in m.parameters())

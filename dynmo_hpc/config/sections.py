@@ -298,6 +298,9 @@ class PipelineSection:
     more calls."""
     partition: list[int] | None = None
     """Initial boundaries over num_blocks + 2 layers (parts[0]=0 .. parts[P]=N); null = uniform."""
+    recompute: Literal["none", "block"] = "none"
+    """``block``: keep only each transformer block's input for the backward and recompute the
+    rest there (activation checkpointing; same numbers, less memory, about one more forward)."""
 
     def validate(self) -> None:
         if self.num_stages < 1:

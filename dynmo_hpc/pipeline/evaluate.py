@@ -14,16 +14,14 @@ So a run with validation trains bitwise as the same run without it.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
 from dynmo_hpc.model.gpt import MicrobatchContext
-from dynmo_hpc.model.precision import run_layer
+from dynmo_hpc.model.layer_call import LayerCall, public_attrs, restore_public_attrs
 from dynmo_hpc.pipeline.stage import PipelineStage
 
 EVAL_STEP = 0
@@ -35,18 +33,10 @@ def is_eval_step(step: int, eval_interval: int, num_steps: int) -> bool:
     return eval_interval > 0 and ((step + 1) % eval_interval == 0 or step + 1 == num_steps)
 
 
-def _public_attrs(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """Each submodule's public (non-underscore) attributes, copied one level deep."""
-    return {
-        name: {k: copy.copy(v) for k, v in vars(m).items() if not k.startswith("_")}
-        for name, m in module.named_modules()
-    }
-
-
 @contextmanager
 def _untouched(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
     """Restore the modules' public attributes and the RNG states on exit."""
-    saved = [_public_attrs(m) for m in modules]
+    saved = [public_attrs(m) for m in modules]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
@@ -54,11 +44,7 @@ def _untouched(modules: list[nn.Module], device: torch.device) -> Iterator[None]
             yield
     finally:
         for module, attrs in zip(modules, saved, strict=True):
-            for name, sub in module.named_modules():
-                before = attrs.get(name, {})
-                for key in [k for k in vars(sub) if not k.startswith("_") and k not in before]:
-                    delattr(sub, key)  # set by the pass itself
-                vars(sub).update(before)
+            restore_public_attrs(module, attrs)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
@@ -70,6 +56,7 @@ def evaluate(stage: PipelineStage, replica: int, num_replicas: int) -> float:
     cfg = stage.cfg
     batch_size = cfg.train.micro_batch_size
     num_microbatches = cfg.train.eval_windows // batch_size
+    call_layer = LayerCall.for_job(cfg, stage.device.type)
     total = 0.0
     with _untouched([slot.module for slot in stage.slots], stage.device):
         for tag, mb in enumerate(range(replica, num_microbatches, num_replicas)):
@@ -81,7 +68,7 @@ def evaluate(stage: PipelineStage, replica: int, num_replicas: int) -> float:
                 tokens=tokens.to(stage.device), targets=targets.to(stage.device)
             )
             for slot in stage.slots:
-                x = run_layer(slot.module, x, ctx, cfg.train.precision, stage.device.type)
+                x = call_layer(slot.index, slot.module, x, ctx)
             if stage.is_last:
                 assert ctx.loss is not None, "the last stage must end with the head"
                 total += float(ctx.loss)

@@ -17,6 +17,7 @@ import torch
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.layer_call import LayerCall
 from dynmo_hpc.model.optim import (
     build_optimizer,
     clip_coefficient,
@@ -25,7 +26,6 @@ from dynmo_hpc.model.optim import (
     set_lr,
     squared_grad_norm,
 )
-from dynmo_hpc.model.precision import run_layer
 from dynmo_hpc.model.schemes import SchemeController, build_layer
 
 
@@ -57,6 +57,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
     ]
     controller = SchemeController(cfg)
     dataset = TextDataset.for_job(cfg)
+    call_layer = LayerCall(precision=cfg.train.precision)  # no recompute: the plain yardstick
     num_mb = cfg.train.num_microbatches
     losses = []
     step_time_s = []
@@ -69,7 +70,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             ctx = MicrobatchContext(tokens=tokens, targets=targets)
             x = None
             for slot in slots:
-                x = run_layer(slot.module, x, ctx, cfg.train.precision, "cpu")
+                x = call_layer(slot.index, slot.module, x, ctx)
             assert ctx.loss is not None
             objective = ctx.loss / num_mb
             for aux in ctx.aux_losses:
