@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -51,16 +50,21 @@ def _corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     return written
 
 
+_MEASURE = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+    "capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+"""A fresh wrapper per child, so its children's peak RSS is that one child's."""
+
+
 def _run_child(argv: list[str]) -> tuple[float, float]:
     """(wall s, peak RSS MB) of a child process running ``argv``."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    subprocess.run(argv, check=True, capture_output=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *argv], check=True, capture_output=True, text=True
+    )
     wall_s = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak_kb <= before:
-        raise RuntimeError("could not measure the child's peak RSS (an earlier child was larger)")
-    return wall_s, peak_kb / 1024
+    return wall_s, int(done.stdout.split()[-1]) / 1024
 
 
 def bench_prepare(megabytes: float, vocab_size: int) -> dict[str, float]:

@@ -154,3 +154,16 @@ def test_two_stages_on_cached_bpe_data_match_the_reference(text_file: Path, tmp_
     result = run_job(cfg)
     reference = train_reference(cfg)
     assert result["losses"] == reference.losses
+
+
+def test_the_default_text_tokenized_into_a_chosen_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cfg = tiny_config(
+        tmp_path, "data.tokenizer={train: true, vocab_size: 320}", f"data.cache_dir={cache}"
+    )
+    preflight.check_data(cfg)
+    (prepared,) = cache.iterdir()
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["vocab_size"] == 320 and not list(cache.glob(".default-text-*"))
+    dataset = TextDataset.for_job(cfg)
+    assert len(dataset.train) == meta["num_tokens"]["train"]

@@ -5,8 +5,8 @@ The steps:
 1. check every file (:mod:`.text_files`): non-empty UTF-8 without NUL bytes;
 2. the tokenizer: a Hugging Face ``tokenizer.json`` given by the user, or a byte-level BPE trained
    on the text itself (``tokenizers``' trainer, fed from an iterator of pieces);
-3. stream the text in pieces, tokenize batches of pieces with ``encode_batch`` (Rust threads, all
-   cores), and append the ids to shards (:class:`~.shards.ShardWriter`): the last
+3. stream the text in pieces, tokenize batches of pieces with ``encode_batch_fast`` (Rust
+   threads, all cores), and append the ids to shards (:class:`~.shards.ShardWriter`): the last
    ``val_fraction`` of the text's bytes goes to the validation split;
 4. write ``tokenizer.json`` and ``meta.json`` last.
 
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_TOKENS = 1 << 27
 """Ids per shard: 256 MiB of ``uint16``."""
 
-DEFAULT_BATCH_BYTES = 4 << 20
-"""Text bytes tokenized per ``encode_batch`` call (bounds the memory of the encode loop)."""
+DEFAULT_BATCH_BYTES = 1 << 20
+"""Text bytes tokenized per ``encode_batch_fast`` call: bounds the encode loop's memory (the
+library's per-token encodings take about 100 bytes per token while a batch is alive)."""
 
 PROGRESS_INTERVAL_S = 5.0
 """Seconds between progress lines."""
@@ -170,7 +171,7 @@ def _encode_into(
     done_bytes = 0
     t0 = last = time.monotonic()
     for split, pieces, size in _batches(paths, split_at, batch_bytes):
-        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
+        encodings = tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
         ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
         writers[split].write(ids)
         done_bytes += size
