@@ -241,7 +241,8 @@ def prepare(
         else:
             assert choice.vocab_size is not None
             tokenizer = train_bpe(paths, choice.vocab_size)
-        vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        # The largest id + 1, not the entry count: a tokenizer's ids need not be contiguous.
+        vocab_size = int(max(tokenizer.get_vocab(with_added_tokens=True).values())) + 1
         dtype = token_dtype(vocab_size)
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
         try:
