@@ -110,3 +110,20 @@ def test_a_pass_leaves_the_schemes_counters_and_the_rng_alone(tmp_path: Path, sc
         torch.rand(3)
     assert public_state() == before
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.mpi
+def test_replicas_split_the_validation_windows(tmp_path: Path) -> None:
+    cfg = tiny_config(
+        tmp_path,
+        "pipeline.num_stages=1",
+        "pipeline.replicas=2",
+        "train.eval_interval=2",
+        "train.eval_windows=6",
+        "train.steps=2",
+    )
+    run_job(cfg)
+    run = load(cfg.run_dir / "run.h5")
+    assert run.eval["step"].tolist() == [1]
+    want = _reference_eval_loss(cfg, train_reference(cfg).state)
+    np.testing.assert_allclose(run.eval["loss"].to_numpy(), [want], rtol=1e-5)
