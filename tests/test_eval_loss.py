@@ -17,7 +17,7 @@ from dynmo_hpc.model.gpt import MicrobatchContext
 from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.pipeline.evaluate import EVAL_STEP, _untouched, is_eval_step
 from dynmo_hpc.runlog import load
-from dynmo_hpc.runlog.report import plot_loss
+from dynmo_hpc.runlog.report import plot_loss, summarize
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers.jobs import run_job, tiny_config
 from tests.helpers.scheme_jobs import scheme_config
@@ -78,6 +78,7 @@ def test_pipeline_validation_matches_the_reference_and_leaves_training_alone(
     after_two = train_reference(cfg, steps=2)
     want = [_reference_eval_loss(cfg, after_two.state), _reference_eval_loss(cfg, reference.state)]
     np.testing.assert_allclose(run.eval["loss"].to_numpy(), want, rtol=1e-6)
+    assert f"Validation: 2 passes; loss {run.eval['loss'].iloc[0]:.4g} (step 1)" in summarize(run)
     (ax,) = plot_loss(run).axes
     labels = [line.get_label() for line in ax.lines]
     assert "training" in labels and "validation" in labels

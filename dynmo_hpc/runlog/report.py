@@ -104,6 +104,15 @@ def _throughput(steps: pd.DataFrame, imb: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _validation(run: RunLog) -> list[str]:
+    """The first and last validation losses (``eval`` table, non-empty)."""
+    first, last = run.eval.iloc[0], run.eval.iloc[-1]
+    return [
+        f"Validation: {len(run.eval)} passes; loss {first['loss']:.4g} (step "
+        f"{int(first['step'])}) -> {last['loss']:.4g} (step {int(last['step'])})"
+    ]
+
+
 def _imbalance(imb: pd.DataFrame, run: RunLog, window_steps: int) -> list[str]:
     if imb.empty:
         return ["Imbalance: no stage times logged"]
@@ -224,12 +233,14 @@ def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: i
 
 
 def summarize(run: RunLog, *, window_steps: int = DEFAULT_WINDOW_STEPS) -> str:
-    """The text summary: header, throughput, imbalance, partitions, restarts, events + effects."""
+    """The text summary: header, throughput, validation, imbalance, partitions, restarts,
+    events + effects."""
     steps = metrics.last_logged(run.steps)
     imb = metrics.imbalance(run.stage_times)
     sections = [
         _header(run, steps),
         _throughput(steps, imb),
+        *([_validation(run)] if not run.eval.empty else []),
         _imbalance(imb, run, window_steps),
         _partitions(run),
         _restarts(run),
