@@ -167,3 +167,18 @@ def test_the_default_text_tokenized_into_a_chosen_cache(tmp_path: Path) -> None:
     assert meta["vocab_size"] == 320 and not list(cache.glob(".default-text-*"))
     dataset = TextDataset.for_job(cfg)
     assert len(dataset.train) == meta["num_tokens"]["train"]
+
+
+def test_a_given_tokenizer_sets_the_vocabulary(
+    prepared: Path, text_file: Path, tmp_path: Path
+) -> None:
+    tokenizer = prepared / "tokenizer.json"
+    cfg = tiny_config(tmp_path, f"data.path={text_file}", f"data.tokenizer={{path: {tokenizer}}}")
+    assert cfg.model.vocab_size == 700
+    preflight.check_data(cfg)
+    cache = cache_dir_for(cfg.data, cfg.job.out_dir)
+    given = open_prepared(prepared)
+    cached = open_prepared(cache)
+    assert np.array_equal(cached.train[0:100], given.train[0:100])
+    with pytest.raises(ConfigError, match=r"not a Hugging Face tokenizer\.json"):
+        tiny_config(tmp_path, f"data.path={text_file}", f"data.tokenizer={{path: {text_file}}}")
