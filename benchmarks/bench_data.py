@@ -13,7 +13,7 @@ memory-mapped shards, and bf16 against fp32 step time on this machine's CPU.
   ``--repeats`` times (A/B/A/B...), the first step of each arm dropped (warm-up).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_data.py prepare --mb 120
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_data.py mmap
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_data.py mmap --steps 3
     PYTHONPATH=. .venv/bin/python benchmarks/bench_data.py precision --repeats 5
 """
 
@@ -104,7 +104,7 @@ def _reference_step_s(overrides: list[str], steps: int) -> list[float]:
     return train_reference(cfg, steps=steps).step_time_s[1:]
 
 
-def bench_mmap(num_batches: int) -> dict[str, float]:
+def bench_mmap(num_batches: int, steps: int) -> dict[str, float]:
     from dynmo_hpc import config as config_mod
     from dynmo_hpc.data.batches import TextDataset
     from dynmo_hpc.data.corpus import default_corpus_text
@@ -131,7 +131,8 @@ def bench_mmap(num_batches: int) -> dict[str, float]:
                 for i in range(num_batches):
                     ds.batch(cfg.job.seed, rep, i, b)
                 times[name].append((time.perf_counter() - t0) / num_batches)
-        step_s = float(np.median(_reference_step_s([f"data.path={Path(d) / 'prep'}"], 4)))
+        overrides = [f"data.path={Path(d) / 'prep'}"]
+        step_s = float(np.median(_reference_step_s(overrides, steps + 1)))
     per_step = cfg.train.num_microbatches
     mmap_s = float(np.median(times["mmap"]))
     memory_s = float(np.median(times["memory"]))
@@ -167,14 +168,20 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=8192)
     m = sub.add_parser("mmap")
     m.add_argument("--batches", type=int, default=400)
+    m.add_argument("--steps", type=int, default=3, help="reference steps timed after a warm-up")
     r = sub.add_parser("precision")
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
+    for key in ("mb", "vocab_size", "batches", "repeats", "steps"):
+        if getattr(args, key, 1) <= 0:
+            raise SystemExit(f"error: --{key.replace('_', '-')} must be positive")
+    if getattr(args, "vocab_size", 256) < 256:
+        raise SystemExit("error: --vocab-size must be at least 256 (the byte alphabet)")
     if args.what == "prepare":
         result: dict[str, object] = dict(bench_prepare(args.mb, args.vocab_size))
     elif args.what == "mmap":
-        result = dict(bench_mmap(args.batches))
+        result = dict(bench_mmap(args.batches, args.steps))
     else:
         result = bench_precision(args.repeats, args.steps)
     print(json.dumps(result, indent=1))
