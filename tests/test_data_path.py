@@ -182,3 +182,9 @@ def test_a_given_tokenizer_sets_the_vocabulary(
     assert np.array_equal(cached.train[0:100], given.train[0:100])
     with pytest.raises(ConfigError, match=r"not a Hugging Face tokenizer\.json"):
         tiny_config(tmp_path, f"data.path={text_file}", f"data.tokenizer={{path: {text_file}}}")
+
+
+def test_every_shipped_job_switches_to_prepared_data_with_one_key(prepared: Path) -> None:
+    for job in sorted((ROOT / "jobs").glob("*.yaml")):
+        cfg = config_mod.load(job, [f"data.path={prepared}"])
+        assert cfg.model.vocab_size == 700, job.name
