@@ -17,6 +17,10 @@ class ConfigError(DynmoError, ValueError):
     """The job file or an override is invalid (names the key, the file and the fix)."""
 
 
+class DataError(DynmoError, ValueError):
+    """Text or token data cannot be prepared or read (names the file, the problem and the fix)."""
+
+
 class LaunchError(DynmoError, RuntimeError):
     """The ranks could not be started, or the job failed or timed out."""
 

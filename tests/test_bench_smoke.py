@@ -32,6 +32,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 COVERED_ELSEWHERE = {
     "ab_breakdown.py": "tests/test_bench_ab.py (on the end-to-end bench's A/B run)",
     "bench_checkpoint.py": "tests/test_bench_checkpoint.py",
+    "bench_data.py": "tests/test_bench_data.py",
     "bench_migration.py": "tests/test_bench_migration.py",
     "stress_runlog_kill.py": "tests/test_runlog_torn_chunk.py",
     "torch_pipelining_rank.py": "tests/test_bench_smoke.py (run by bench_pipeline.py)",

@@ -5,8 +5,8 @@ produce bitwise-equal per-step losses and final parameters (weights and AdamW st
 their layer; clipping sums per-layer norms in global order, so the partition does not matter).
 
 Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage pair
-on all four ranks, the 2-stage pair on the two halves of the world at once, the one-stage runs
-on single ranks at once.
+on all four ranks, the 2-stage pairs (fp32, then bf16) on the two halves of the world at once,
+the one-stage runs on single ranks at once.
 """
 
 from __future__ import annotations
@@ -30,15 +30,22 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 BALANCERS = ["optimal", "diffusion", "parameters"]
 
 
-def migration_configs(out_dir: Path, num_stages: int) -> tuple[config_mod.JobConfig, ...]:
-    """The static and the moving job on ``num_stages`` stages."""
+def migration_configs(
+    out_dir: Path, num_stages: int, precision: str = "fp32"
+) -> tuple[config_mod.JobConfig, ...]:
+    """The static and the moving job on ``num_stages`` stages in ``precision``."""
     common = [
         f"pipeline.num_stages={num_stages}",
         "train.steps=10",
         "checkpoint.at_end=true",
         "balance.interval=2",
+        f"train.precision={precision}",
     ]
-    out = out_dir / f"p{num_stages}"
+    out = (
+        out_dir / f"p{num_stages}"
+        if precision == "fp32"
+        else out_dir / f"p{num_stages}_{precision}"
+    )
     static = tiny_config(out / "static", *common, "balance.algorithm=static")
     moving = tiny_config(
         out / "moving", *common, "balance.algorithm=optimal", "balance.force_moves=true"
@@ -60,10 +67,13 @@ def one_stage_config(out_dir: Path, algorithm: str) -> config_mod.JobConfig:
 def runs(out_dir: Path) -> rank_program.Runs:
     static_4, moving_4 = migration_configs(out_dir, 4)
     static_2, moving_2 = migration_configs(out_dir, 2)
+    static_bf16, moving_bf16 = migration_configs(out_dir, 2, "bf16")
     one_stage = [(f"self{i}", one_stage_config(out_dir, a)) for i, a in enumerate(BALANCERS)]
     return [
         ("half0", static_2),
         ("half1", moving_2),
+        ("half0", static_bf16),
+        ("half1", moving_bf16),
         *one_stage,
         ("world", static_4),
         ("world", moving_4),
@@ -78,9 +88,9 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_forced_migration_is_bitwise_invisible(out_dir, num_stages):
-    static_cfg, moving_cfg = migration_configs(out_dir, num_stages)
+@pytest.mark.parametrize(("num_stages", "precision"), [(2, "fp32"), (4, "fp32"), (2, "bf16")])
+def test_forced_migration_is_bitwise_invisible(out_dir, num_stages, precision):
+    static_cfg, moving_cfg = migration_configs(out_dir, num_stages, precision)
     static = read_result(static_cfg.run_dir)
     moving = read_result(moving_cfg.run_dir)
     assert moving["losses"] == static["losses"]  # bitwise

@@ -49,14 +49,14 @@ def test_a_good_job_passes_locally_and_for_slurm(tmp_path: Path) -> None:
 def _bad_corpora(tmp_path: Path) -> list[tuple[Path, str]]:
     (tmp_path / "dir.txt").mkdir()
     (tmp_path / "empty.txt").write_bytes(b"")
-    (tmp_path / "binary.bin").write_bytes(b"\x7fELF\x02\x01\x00\x00" + b"text" * 100)
+    (tmp_path / "binary.dat").write_bytes(b"\x7fELF\x02\x01\x00\x00" + b"text" * 100)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
     (tmp_path / "short.txt").write_text("tiny text")
     return [
         (tmp_path / "missing.txt", r"does not exist; HINT: give a UTF-8 text file"),
-        (tmp_path / "dir.txt", r"is a directory; HINT: give one UTF-8 text file"),
+        (tmp_path / "dir.txt", r"is a directory without meta.json; HINT: give a directory written"),
         (tmp_path / "empty.txt", r"is empty; HINT: give a file with text in it"),
-        (tmp_path / "binary.bin", r"has a NUL byte at offset 6: a binary file, not text; HINT"),
+        (tmp_path / "binary.dat", r"has a NUL byte at offset 6: a binary file, not text; HINT"),
         (tmp_path / "latin1.txt", r"is not UTF-8 text \(byte 3: b'\\xe9'\); HINT: convert it"),
         (
             tmp_path / "short.txt",

@@ -52,6 +52,11 @@ CASES: dict[str, dict[str, Any]] = {
     "early_exit": {"scheme": "early_exit", "stages": (3, 2, 3), "extra": []},
     "mod": {"scheme": "mod", "stages": (2, 3, 2), "extra": ["runtime.p2p=torch"]},
     "llama_mod": {"scheme": "mod", "stages": (3, 2, 3), "extra": LLAMA},
+    "bf16": {
+        "scheme": None,
+        "stages": (3, 2, 3),
+        "extra": ["train.precision=bf16", "train.eval_interval=3", "train.eval_windows=4"],
+    },
 }
 
 
@@ -73,6 +78,7 @@ REFERENCE_ON = {
     "plain": "half0",
     "llama_mod": "half0",
     "early_exit": "half1",
+    "bf16": "half0",
     "moe": "trio",
     "pruning": "trio",
     "freezing": "trio",
@@ -193,6 +199,10 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_run(references, tm
     assert redone["step"].tolist() in ([3], [3, 4]) and set(redone["segment"]) == {1}
     assert run.end_status == "ok"
     assert "preempt" in run.events["kind"].tolist()
+    if reference.train.eval_interval:  # validation passes: one authoritative row each, bitwise
+        want_eval = load(reference.run_dir / "run.h5").eval
+        assert run.eval["step"].tolist() == want_eval["step"].tolist() == [2, 5, 7]
+        assert run.eval["loss"].tolist() == want_eval["loss"].tolist()
 
 
 # --- the resume rules, end to end (docs/checkpoints.md, "Resume rules") -----------------------

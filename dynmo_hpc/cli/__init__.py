@@ -2,11 +2,12 @@
 
 One module per subcommand (:mod:`~dynmo_hpc.cli.run`, :mod:`~dynmo_hpc.cli.plan`,
 :mod:`~dynmo_hpc.cli.report`, :mod:`~dynmo_hpc.cli.simulate`, :mod:`~dynmo_hpc.cli.bench`,
-:mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and ``submit``, :mod:`~dynmo_hpc.cli.eval` and
-:mod:`~dynmo_hpc.cli.export` for models). The CLI is the only place that parses
-argv or prints; everything it calls logs or returns values, and nothing outside this package
-imports it. Every user error (a :class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes
-one ``error:`` line and exit code 2.
+:mod:`~dynmo_hpc.cli.prepare_data`, :mod:`~dynmo_hpc.cli.slurm` for ``sbatch`` and
+``submit``, :mod:`~dynmo_hpc.cli.eval` and :mod:`~dynmo_hpc.cli.export` for models). The CLI is
+the only place that parses argv or prints; everything it calls logs or returns values, and
+nothing outside this package imports it. Every user error (a
+:class:`~dynmo_hpc.errors.DynmoError`, a missing file) becomes one ``error:`` line and exit
+code 2.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmo_hpc.cli import bench, export, plan, report, run, simulate, slurm
+from dynmo_hpc.cli import bench, export, plan, prepare_data, report, run, simulate, slurm
 from dynmo_hpc.cli import eval as eval_cmd
 from dynmo_hpc.cli.errors import OneLineParser, error_line
 from dynmo_hpc.errors import DynmoError, Interrupted
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     eval_cmd.add_parser(sub)
     export.add_parser(sub)
+    prepare_data.add_parser(sub)
     slurm.add_parsers(sub)
     return parser
 

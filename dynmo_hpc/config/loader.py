@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from dynmo_hpc.config.data_source import data_vocab_size, resolve_vocab_size
 from dynmo_hpc.config.hf_model import apply_init_from
 from dynmo_hpc.config.job import JobConfig
 from dynmo_hpc.config.strict_yaml import parse_yaml
@@ -165,12 +166,24 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
             data = {**data, "model": apply_init_from(model)}
         cfg: JobConfig = _build(JobConfig, data, "", source)
         try:
+            cfg = _with_data_vocab(cfg, explicit="vocab_size" in (data.get("model") or {}))
             cfg.validate()
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(with_hint(str(exc))) from None
     return cfg
+
+
+def _with_data_vocab(cfg: JobConfig, *, explicit: bool) -> JobConfig:
+    """``cfg`` with ``model.vocab_size`` the data's when the job left it out (refused when set
+    smaller than the data's, :func:`~dynmo_hpc.config.data_source.resolve_vocab_size`)."""
+    cfg.data.validate()  # the data's vocabulary is read from the files it names
+    data_vocab = data_vocab_size(cfg.data.path, cfg.data.tokenizer)
+    vocab = resolve_vocab_size(cfg.model.vocab_size, explicit, data_vocab)
+    if vocab == cfg.model.vocab_size:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -47,10 +47,13 @@ KEY_RULES: dict[str, KeyRule] = {
     "model": KeyRule.IDENTITY,
     "schemes": KeyRule.IDENTITY,
     "data": KeyRule.IDENTITY,
+    "data.cache_dir": KeyRule.FREE,  # where prepared data is kept, not what it holds
     "train": KeyRule.MATH,  # lr, min_lr, warmup, AdamW betas / weight decay, clip, batch shape
     "train.steps": KeyRule.STEPS,
     "train.log_interval": KeyRule.FREE,
     "train.steady_state_step": KeyRule.FREE,
+    "train.eval_interval": KeyRule.FREE,  # validation passes leave training bitwise unchanged
+    "train.eval_windows": KeyRule.FREE,
     "pipeline": KeyRule.FREE,  # stages and partition: the losses do not depend on them
     "runtime": KeyRule.FREE,
     "balance": KeyRule.FREE,  # migration moves layers with their state, invisible to the math

@@ -24,6 +24,7 @@ from dynmo_hpc.config.bounds import (
     in_range,
     printable,
 )
+from dynmo_hpc.config.data_source import TokenizerSection
 from dynmo_hpc.errors import ConfigError
 
 
@@ -88,7 +89,8 @@ class ModelSection:
     seq_len: int = 128
     """Context length in tokens (bytes)."""
     vocab_size: int = 256
-    """Byte-level tokens: 256."""
+    """Token ids the model embeds; when the job does not set it, the data's vocabulary
+    (256 for byte-level text, ``meta.json``'s for a prepared directory)."""
     layer_d_ff: list[int] | None = None
     """Optional per-block feed-forward widths (length num_blocks) to build an imbalanced model."""
     arch: str = "gpt2"
@@ -236,9 +238,15 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
     path: str | None = None
-    """UTF-8 text file to train on; null uses the English docs that ship with CPython."""
+    """UTF-8 text file to train on (null: the English docs that ship with CPython), a flat
+    ``uint16`` ``.bin`` token file, or a directory written by ``dynmo-hpc prepare-data``."""
     val_fraction: float = 0.1
-    """Tail fraction of the text held out for validation."""
+    """Tail fraction of the text held out for validation (a prepared directory has its own)."""
+    tokenizer: TokenizerSection | None = None
+    """Tokenize the text of ``path`` (prepared once, before the ranks start, into
+    ``cache_dir``) instead of training on its bytes; null: byte-level."""
+    cache_dir: str | None = None
+    """Where ``tokenizer`` keeps prepared data; null: ``<job.out_dir>/.data_cache``."""
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -247,8 +255,10 @@ class DataSection:
                 "the last 10 % of the text"
             )
         printable("data.path", self.path)
+        printable("data.cache_dir", self.cache_dir)
         try:
-            missing = self.path is not None and not Path(self.path).is_file()
+            missing = self.path is not None and not Path(self.path).exists()
+            is_dir = self.path is not None and Path(self.path).is_dir()
         except OSError as exc:  # a name too long for the file system, a permission error
             raise ConfigError(
                 f"data.path={self.path!r} cannot be checked ({exc.strerror}); HINT: give a UTF-8 "
@@ -256,8 +266,16 @@ class DataSection:
             ) from None
         if missing:
             raise ConfigError(
-                f"data.path={self.path!r} is not a file; give a UTF-8 text file or null"
+                f"data.path={self.path!r} is not a file or directory; give a UTF-8 text file, a "
+                ".bin token file, a prepare-data directory, or null"
             )
+        if self.tokenizer is not None:
+            if is_dir:
+                raise ConfigError(
+                    f"data.path={self.path!r} is a prepared directory and data.tokenizer is set; "
+                    "HINT: a prepared directory has its tokenizer: drop data.tokenizer"
+                )
+            self.tokenizer.validate()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +307,15 @@ class TrainSection:
     strength. ``dynmo-hpc bench`` reports the ramp (steps before it) and the steady state
     (this step on) apart. None: half the run (``steps // 2``). Training does not read it."""
 
+    eval_interval: int = 0
+    """Steps between validation passes (and one after the last step); 0: none. Each scores the
+    same ``eval_windows`` validation windows, forward only, into the run log's ``eval`` table."""
+    eval_windows: int = 32
+    """Validation windows (sequences) per pass: a multiple of ``micro_batch_size``."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: each layer's forward under bf16 autocast (its backward follows), with fp32
+    weights, gradients, AdamW state and checkpoints; ``fp32``: everything fp32."""
+
     def steady_from_step(self) -> int:
         """:attr:`steady_state_step`, or half the run when it is not set."""
         return self.steps // 2 if self.steady_state_step is None else self.steady_state_step
@@ -305,6 +332,18 @@ class TrainSection:
                 "for half the run"
             )
         at_most("train.steps", self.steps, MAX_STEPS, "a typo? that is years of training")
+        if self.eval_interval < 0 or self.eval_windows < 1:
+            raise ConfigError(
+                f"train.eval_interval={self.eval_interval}, train.eval_windows="
+                f"{self.eval_windows}: need eval_interval >= 0 (0: no validation) and "
+                "eval_windows >= 1"
+            )
+        if self.eval_interval and self.eval_windows % self.micro_batch_size:
+            raise ConfigError(
+                f"train.eval_windows={self.eval_windows} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}; HINT: validation runs in "
+                f"microbatches, e.g. eval_windows={4 * self.micro_batch_size}"
+            )
         for key in ("micro_batch_size", "num_microbatches"):
             at_most(f"train.{key}", getattr(self, key), MAX_BATCH, "a typo? try 8")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -348,6 +387,9 @@ class PipelineSection:
     more calls."""
     partition: list[int] | None = None
     """Initial boundaries over num_blocks + 2 layers (parts[0]=0 .. parts[P]=N); null = uniform."""
+    recompute: Literal["none", "block"] = "none"
+    """``block``: keep only each transformer block's input for the backward and recompute the
+    rest there (activation checkpointing; same numbers, less memory, about one more forward)."""
 
     def validate(self) -> None:
         if self.num_stages < 1:

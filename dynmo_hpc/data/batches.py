@@ -1,9 +1,10 @@
-"""Real English text, byte-level tokens, and batches that depend only on (seed, step).
+"""Batches that depend only on (seed, step, microbatch), from text bytes or token ids.
 
-Why byte-level: no tokenizer download on an offline cluster, a fixed vocabulary of 256, and any
-UTF-8 file works. Why seed-and-step batches: every pipeline stage (and the single-process
-reference) can build the same microbatch locally, so targets never travel between ranks and a
-restarted or reshaped job sees exactly the batches it would have seen.
+Why byte-level by default: no tokenizer download on an offline cluster, a fixed vocabulary of
+256, and any UTF-8 file works; tokenized data (:mod:`.source`) samples windows the same way.
+Why seed-and-step batches: every pipeline stage (and the single-process reference) can build
+the same microbatch locally, so targets never travel between ranks and a restarted or reshaped
+job sees exactly the batches it would have seen.
 
 The default corpus is the documentation text that ships inside CPython (``pydoc_data.topics``,
 about 0.8 MB of English prose and code samples), so a fresh machine trains on real text offline.
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dynmo_hpc.config import DataSection
-from dynmo_hpc.data.corpus import default_corpus_text, read_corpus, split_sizes
+from dynmo_hpc.config import DataSection, JobConfig
+from dynmo_hpc.data.corpus import default_corpus_text, read_corpus
+from dynmo_hpc.data.source import TokenSequence, open_source
 
 __all__ = ["TextDataset", "default_corpus_text", "load_corpus_bytes"]
 
@@ -29,18 +31,28 @@ def load_corpus_bytes(data: DataSection) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TextDataset:
-    """Train/validation split of a byte corpus, with deterministic batch sampling."""
+    """Train/validation split of a token sequence, with deterministic batch sampling.
 
-    train: np.ndarray
-    val: np.ndarray
+    The splits are byte arrays for text, or memory-mapped token ids
+    (:func:`~dynmo_hpc.data.source.open_source` says which); sampling is the same rule for all.
+    """
+
+    train: TokenSequence
+    val: TokenSequence
     seq_len: int
 
     @classmethod
-    def from_config(cls, data: DataSection, seq_len: int) -> TextDataset:
-        corpus = load_corpus_bytes(data)
-        num_train, _ = split_sizes(len(corpus), data.val_fraction, seq_len)
-        train, val = corpus[:num_train], corpus[num_train:]
+    def from_config(
+        cls, data: DataSection, seq_len: int, *, out_dir: str | None = None
+    ) -> TextDataset:
+        """The data of ``data``; ``out_dir`` (``job.out_dir``) holds a ``data.tokenizer`` cache."""
+        train, val = open_source(data, seq_len, out_dir)
         return cls(train=train, val=val, seq_len=seq_len)
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig) -> TextDataset:
+        """The job's data, windows of ``model.seq_len``."""
+        return cls.from_config(cfg.data, cfg.model.seq_len, out_dir=cfg.job.out_dir)
 
     def batch(
         self, seed: int, step: int, microbatch: int, batch_size: int, split: str = "train"

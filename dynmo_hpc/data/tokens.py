@@ -15,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dynmo_hpc.config.data_source import TOKEN_FILE_SUFFIX
 from dynmo_hpc.errors import ConfigError
-
-TOKEN_FILE_SUFFIX = ".bin"
-"""A ``data.path`` ending in this is a flat ``uint16`` token file, not text."""
 
 _MAX_ID_CHUNK_TOKENS = 1 << 24
 """Tokens scanned at a time when checking ids against the vocabulary (32 MiB of ``uint16``)."""

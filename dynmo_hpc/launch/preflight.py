@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from dynmo_hpc.config import JobConfig
+from dynmo_hpc.config.data_source import TOKEN_FILE_SUFFIX
 from dynmo_hpc.data.corpus import read_corpus, split_sizes
 from dynmo_hpc.errors import ConfigError, LaunchError
 from dynmo_hpc.handoff.signal_budget import SignalBudget, measured_budget
@@ -61,10 +62,29 @@ def check_job(cfg: JobConfig, *, for_slurm: bool = False) -> None:
 
 
 def check_data(cfg: JobConfig) -> None:
-    """The corpus is a non-empty UTF-8 text file long enough for one sequence per split (the
-    same functions the ranks' :class:`~dynmo_hpc.data.batches.TextDataset` uses)."""
-    corpus = read_corpus(cfg.data.path)
-    split_sizes(len(corpus), cfg.data.val_fraction, cfg.model.seq_len)
+    """The data can train the model: byte text is a non-empty UTF-8 file long enough for one
+    sequence per split (the same functions the ranks' :class:`~dynmo_hpc.data.batches.TextDataset`
+    uses); token data is checked, and a ``data.tokenizer`` prepared once, by
+    :func:`~dynmo_hpc.data.source.check_source` (imported here only then: it needs numpy)."""
+    data = cfg.data
+    if data.tokenizer is None and (data.path is None or not _token_data(data.path)):
+        corpus = read_corpus(data.path)
+        _, num_val = split_sizes(len(corpus), data.val_fraction, cfg.model.seq_len)
+    else:
+        from dynmo_hpc.data.source import check_source
+
+        num_val = check_source(data, cfg.model.seq_len, cfg.model.vocab_size, cfg.job.out_dir)
+    if cfg.train.eval_interval and num_val == 0:
+        raise ConfigError(
+            f"train.eval_interval={cfg.train.eval_interval} scores validation windows, but the "
+            "data has no validation split; HINT: set data.val_fraction (e.g. 0.1), or "
+            "train.eval_interval=0"
+        )
+
+
+def _token_data(path: str) -> bool:
+    """Whether ``data.path`` names token ids (a ``.bin`` file or a prepared directory)."""
+    return path.endswith(TOKEN_FILE_SUFFIX) or Path(path).is_dir()
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload, Spec
+from dynmo_hpc.model.layer_call import LayerCall
 from dynmo_hpc.model.optim import build_optimizer, scale_grads_, set_lr
 from dynmo_hpc.model.schemes import activation_spec, build_layer
 from dynmo_hpc.pipeline.comm import StageLink
@@ -116,6 +117,8 @@ class PipelineStage:
         """The *global* batch's microbatches: every loss is scaled by its inverse, so the
         replicas' summed gradients are the global mean."""
         self.first_microbatch = first_microbatch
+        self.call_layer = LayerCall.for_job(cfg, device.type)
+        """Each layer's forward in ``train.precision``, recomputed per ``pipeline.recompute``."""
         self.spec: Spec = activation_spec(cfg, cfg.train.micro_batch_size)
         self.grad_spec: Spec = {k: v for k, v in self.spec.items() if v[1].is_floating_point}
         """Gradients travel back only for floating-point payload tensors."""
@@ -218,7 +221,7 @@ class PipelineStage:
             x_in = _detach_inputs(x, needs_grad=slot.index > self.no_grad_below)
             num_aux_before = len(ctx.aux_losses)
             slot.forward_timer.start()
-            x = slot.module(x_in, ctx)
+            x = self.call_layer(slot.index, slot.module, x_in, ctx)
             slot.forward_timer.stop()
             saved.inputs.append(x_in)
             saved.outputs.append(x)

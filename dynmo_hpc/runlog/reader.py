@@ -67,6 +67,8 @@ class RunLog:
     a file written before the table existed."""
     expert_loads: pd.DataFrame = field(default_factory=lambda: _empty(schema.EXPERT_LOADS.dtype))
     """One row per (load report step, MoE layer, expert): the expert's share of the tokens."""
+    eval: pd.DataFrame = field(default_factory=lambda: _empty(schema.EVAL.dtype))
+    """One row per validation pass: step, loss (``train.eval_interval``); empty without one."""
 
     @property
     def restarts(self) -> pd.DataFrame:
@@ -376,4 +378,5 @@ def _read(path: Path, include_superseded: bool, swmr: bool) -> RunLog:
         superseded=superseded,
         layer_states=tables[schema.LAYER_STATES.name],
         expert_loads=tables[schema.EXPERT_LOADS.name],
+        eval=tables[schema.EVAL.name],
     )

@@ -104,6 +104,15 @@ def _throughput(steps: pd.DataFrame, imb: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _validation(run: RunLog) -> list[str]:
+    """The first and last validation losses (``eval`` table, non-empty)."""
+    first, last = run.eval.iloc[0], run.eval.iloc[-1]
+    return [
+        f"Validation: {len(run.eval)} passes; loss {first['loss']:.4g} (step "
+        f"{int(first['step'])}) -> {last['loss']:.4g} (step {int(last['step'])})"
+    ]
+
+
 def _imbalance(imb: pd.DataFrame, run: RunLog, window_steps: int) -> list[str]:
     if imb.empty:
         return ["Imbalance: no stage times logged"]
@@ -224,12 +233,14 @@ def _events(run: RunLog, steps: pd.DataFrame, imb: pd.DataFrame, window_steps: i
 
 
 def summarize(run: RunLog, *, window_steps: int = DEFAULT_WINDOW_STEPS) -> str:
-    """The text summary: header, throughput, imbalance, partitions, restarts, events + effects."""
+    """The text summary: header, throughput, validation, imbalance, partitions, restarts,
+    events + effects."""
     steps = metrics.last_logged(run.steps)
     imb = metrics.imbalance(run.stage_times)
     sections = [
         _header(run, steps),
         _throughput(steps, imb),
+        *([_validation(run)] if not run.eval.empty else []),
         _imbalance(imb, run, window_steps),
         _partitions(run),
         _restarts(run),
@@ -341,6 +352,21 @@ def plot_tokens_per_s(run: RunLog) -> Figure:
     return fig
 
 
+def plot_loss(run: RunLog) -> Figure:
+    """Training loss at each step, and the validation loss (``eval`` table) beside it."""
+    fig, ax = _figure("Loss", "cross-entropy (nats)")
+    steps = metrics.last_logged(run.steps)
+    if steps.empty:
+        _no_data(ax, "steps")
+        return fig
+    ax.plot(steps["step"], steps["loss"], label="training", linewidth=1)
+    if not run.eval.empty:
+        ax.plot(run.eval["step"], run.eval["loss"], "o-", label="validation", linewidth=1.5)
+    _mark_events(ax, run.events)
+    ax.legend(fontsize=8)
+    return fig
+
+
 def plot_resources(run: RunLog) -> Figure:
     """Ranks and nodes the job held at each step (a change of either shows as a step)."""
     fig, ax = _figure("Resources held", "count")
@@ -389,6 +415,7 @@ FIGURES = {
     "layer_stage_map": plot_layer_stage_map,
     "imbalance": plot_imbalance,
     "tokens_per_s": plot_tokens_per_s,
+    "loss": plot_loss,
     "resources": plot_resources,
     "nodes_throughput": plot_nodes_and_throughput,
 }

@@ -82,6 +82,7 @@ STEP_KEYED_TABLES = (
     "partitions",
     "layer_states",
     "expert_loads",
+    "eval",
 )
 """Tables whose rows belong to one step and so can be superseded by a redo of that step."""
 
@@ -228,7 +229,22 @@ EXPERT_LOADS = TableSpec(
 """Per (load report, MoE layer, expert): the expert's routed tokens over the report's interval
 as a fraction of the tokens that reached the layer."""
 
-OPTIONAL_TABLES = (LAYER_STATES.name, EXPERT_LOADS.name)
+EVAL = TableSpec(
+    name="eval",
+    dtype=np.dtype(
+        [
+            ("step", "<i8"),
+            ("loss", "<f8"),
+            ("segment", "<i4"),
+            ("superseded", "u1"),
+        ]
+    ),
+    chunk_rows=1024,
+)
+"""Per validation pass (``train.eval_interval``): the mean LM loss over the fixed validation
+windows after the step's update."""
+
+OPTIONAL_TABLES = (LAYER_STATES.name, EXPERT_LOADS.name, EVAL.name)
 """Tables added within schema version 2: a file written before them lacks them, and readers
 (and a resumed writer) treat them as empty."""
 
@@ -245,6 +261,7 @@ TABLES: tuple[TableSpec, ...] = (
     PARTITIONS,
     LAYER_STATES,
     EXPERT_LOADS,
+    EVAL,
     EVENTS,
 )
 """Every compound table, in the order the writer flushes them (events last, after their bytes)."""

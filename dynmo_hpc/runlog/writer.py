@@ -473,6 +473,12 @@ class RunLogWriter:
                 loads.append((int(step), int(s.layer), e, float(load), self._segment, 0))
         self._rows_added(len(states) + sum(len(s.expert_loads) for s in states))
 
+    def log_eval(self, *, step: int, loss: float) -> None:
+        """A validation pass after ``step``: one ``eval`` row."""
+        self._check_open()
+        self._buffers[schema.EVAL.name].append((int(step), float(loss), self._segment, 0))
+        self._rows_added(1)
+
     def log_event(self, *, step: int, kind: str, detail: dict[str, Any]) -> None:
         """Something that happened (rebalance, migrate, pack, shrink, checkpoint, ...).
 

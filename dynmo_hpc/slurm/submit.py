@@ -194,13 +194,20 @@ def resolve_for_cluster(cfg: config_mod.JobConfig) -> config_mod.JobConfig:
     """Fix what the submit host knows and the job must not guess: absolute paths, the venv.
 
     Jobs may start in another directory (or on another node's view of a shared file system), so
-    ``job.out_dir`` and ``data.path`` become absolute, and ``slurm.venv: null`` becomes the
+    ``job.out_dir`` and ``data``'s paths become absolute, and ``slurm.venv: null`` becomes the
     virtual environment running now (if Python runs in one and no conda env is named).
     """
     job = dataclasses.replace(cfg.job, out_dir=str(Path(cfg.job.out_dir).resolve()))
     data = cfg.data
     if data.path is not None:
         data = dataclasses.replace(data, path=str(Path(data.path).resolve()))
+    if data.cache_dir is not None:
+        data = dataclasses.replace(data, cache_dir=str(Path(data.cache_dir).resolve()))
+    if data.tokenizer is not None and data.tokenizer.path is not None:
+        tokenizer = dataclasses.replace(
+            data.tokenizer, path=str(Path(data.tokenizer.path).resolve())
+        )
+        data = dataclasses.replace(data, tokenizer=tokenizer)
     slurm = cfg.slurm
     if slurm.venv is None and slurm.conda_env is None and sys.prefix != sys.base_prefix:
         slurm = dataclasses.replace(slurm, venv=sys.prefix)

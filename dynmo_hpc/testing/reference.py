@@ -17,6 +17,7 @@ import torch
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.data.batches import TextDataset
 from dynmo_hpc.model.gpt import MicrobatchContext
+from dynmo_hpc.model.layer_call import LayerCall
 from dynmo_hpc.model.optim import (
     build_optimizer,
     clip_coefficient,
@@ -55,7 +56,8 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
         for i, layer in ((i, build_layer(cfg, i)) for i in range(cfg.model.num_layers))
     ]
     controller = SchemeController(cfg)
-    dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+    dataset = TextDataset.for_job(cfg)
+    call_layer = LayerCall(precision=cfg.train.precision)  # no recompute: the plain yardstick
     num_mb = cfg.train.num_microbatches
     losses = []
     step_time_s = []
@@ -68,7 +70,7 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             ctx = MicrobatchContext(tokens=tokens, targets=targets)
             x = None
             for slot in slots:
-                x = slot.module(x, ctx)
+                x = call_layer(slot.index, slot.module, x, ctx)
             assert ctx.loss is not None
             objective = ctx.loss / num_mb
             for aux in ctx.aux_losses:

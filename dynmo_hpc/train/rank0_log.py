@@ -187,6 +187,17 @@ class Rank0Log:
         if reported:
             self.writer.flush()
 
+    def log_eval(self, step: int, loss: float) -> None:
+        """A validation pass after ``step``: its ``eval`` row and a progress line."""
+        self.writer.log_eval(step=step, loss=loss)
+        log.info(
+            "step %d/%d | val loss %.4f (%d windows)",
+            step + 1,
+            self.cfg.train.steps,
+            loss,
+            self.cfg.train.eval_windows,
+        )
+
     def log_checkpoint(self, step: int, directory: Path, seconds: float, num_bytes: int) -> None:
         """Checkpoint ``step`` (completed steps it holds) is written: its event, the signal
         budget check at this launch's first one, a flush and the log line."""

@@ -45,6 +45,7 @@ from dynmo_hpc.model.schemes import SchemeController
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.device import pick_device
+from dynmo_hpc.pipeline.evaluate import evaluate, is_eval_step
 from dynmo_hpc.pipeline.grad_sync import GradReducer, check_replicas_agree
 from dynmo_hpc.pipeline.groups import make_groups
 from dynmo_hpc.pipeline.migration.move import measure_bandwidth
@@ -170,7 +171,7 @@ class Trainer:
         come from a checkpoint)."""
         cfg, topo = self.cfg, self.topo
         link = make_link(cfg.runtime, self.groups, self.device)
-        dataset = TextDataset.from_config(cfg.data, cfg.model.seq_len)
+        dataset = TextDataset.for_job(cfg)
         first_microbatch = topo.microbatches(cfg.train.num_microbatches).start
         return PipelineStage(
             cfg,
@@ -337,6 +338,14 @@ class Trainer:
             self.log0.log_step(step, lr, step_time_s, gathered, scheme_events, reported)
         return stats
 
+    def _evaluate(self, step: int) -> None:
+        """A validation pass (:mod:`dynmo_hpc.pipeline.evaluate`); rank 0 logs its mean loss."""
+        mine = evaluate(self.pipeline_stage, self.topo.replica, self.topo.num_replicas)
+        total = self.comm.reduce(mine, op=MPI.SUM, root=0)
+        if self.log0 is not None:
+            num_microbatches = self.cfg.train.eval_windows // self.cfg.train.micro_batch_size
+            self.log0.log_eval(step, total / num_microbatches)
+
     def train(self) -> TrainResult:
         """Run the remaining steps; rank 0's result (other ranks return an empty one).
 
@@ -372,6 +381,8 @@ class Trainer:
         last_step, saved_step = cfg.train.steps, -1
         for step in range(self.start_step, cfg.train.steps):
             self.step(step)
+            if is_eval_step(step, cfg.train.eval_interval, cfg.train.steps):
+                self._evaluate(step)
             # One collective per step: any rank's stop signal, rank 0's checkpoint clock.
             flags = np.array([stop.signum, self._minutes_due()], dtype=np.int64)
             self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)

@@ -105,7 +105,8 @@ class SchemeAttention(nn.Module):
         slot = (active.long().cumsum(1) - 1)[b_idx, t_idx]  # (N,) rank within its sequence
         q_max = int(active.sum(1).max())
         q_act = F.linear(hn[b_idx, t_idx], w_q, b_q)  # (N, nh * hs)
-        q = hn.new_zeros(B, q_max, inner).index_put((b_idx, slot), q_act)  # (B, Qmax, nh * hs)
+        q = hn.new_zeros(B, q_max, inner, dtype=q_act.dtype)  # bf16 under autocast
+        q = q.index_put((b_idx, slot), q_act)  # (B, Qmax, nh * hs)
         q = q.view(B, q_max, nh, hs).transpose(1, 2)  # (B, nh, Qmax, hs)
         pos = torch.full((B, q_max), -1, dtype=torch.long, device=hn.device)
         pos = pos.index_put((b_idx, slot), t_idx)  # (B, Qmax), -1 = padding

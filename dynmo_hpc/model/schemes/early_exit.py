@@ -106,7 +106,7 @@ class ExitHead(nn.Module):
         active[lb, lt] = False
         return {
             "active": active.to(torch.float32),
-            "exit_nll": exit_nll.index_put((lb, lt), ce[leaving]),
+            "exit_nll": exit_nll.index_put((lb, lt), ce[leaving].to(exit_nll.dtype)),
         }
 
 
@@ -185,7 +185,7 @@ def active_forward(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Pa
     else:
         h_act = h[b_idx, t_idx] + block.attn.attend_active(block.ln_1(h), active, b_idx, t_idx)
         h_act = h_act + block.feed_forward(block.ln_2(h_act), ctx)  # (N, C)
-        out["h"] = h.index_put((b_idx, t_idx), h_act)
+        out["h"] = h.index_put((b_idx, t_idx), h_act.to(h.dtype))  # bf16 under autocast
     if isinstance(block.exit_head, ExitHead):
         out.update(block.exit_head.decide(h_act, b_idx, t_idx, active, x["exit_nll"], ctx))
     return out

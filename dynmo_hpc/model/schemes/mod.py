@@ -103,7 +103,7 @@ def routed_forward(block: SchemeBlock, x: Payload, ctx: MicrobatchContext) -> Pa
     u = h_sel + block.attn(block.ln_1(h_sel), positions=top)  # (B, k, C): causal, sorted
     u = u + block.feed_forward(block.ln_2(u), ctx)
     h_new = h_sel + weight * (u - h_sel)  # (B, k, C)
-    return {**x, "h": h.scatter(1, index, h_new)}
+    return {**x, "h": h.scatter(1, index, h_new.to(h.dtype))}  # bf16 under autocast
 
 
 class MoDScheme(Scheme):

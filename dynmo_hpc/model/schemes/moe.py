@@ -154,7 +154,7 @@ class MoEFeedForward(nn.Module):
             hidden = F.gelu(torch.baddbmm(fc_b[:, None], dispatched, fc_w.transpose(1, 2)))
             y = torch.baddbmm(proj_b[:, None], hidden, proj_w.transpose(1, 2))  # (E, rows, C)
         served = y[expert, row] * gates[tokens, slots, None]  # (S, C)
-        return torch.zeros_like(x).index_add(0, tokens, served)
+        return torch.zeros_like(x).index_add(0, tokens, served.to(x.dtype))  # bf16 autocast
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         num_tokens, _ = x.shape
@@ -186,7 +186,7 @@ class MoEFeedForward(nn.Module):
                     y = expert(x[tokens])  # (n_e, C)
                 else:
                     continue
-                out = out.index_add(0, tokens, y * gates[tokens, slots, None])
+                out = out.index_add(0, tokens, (y * gates[tokens, slots, None]).to(out.dtype))
         self.last_tokens_per_expert = counts
         self.last_rows_per_expert = rows
 
