@@ -8,17 +8,20 @@ starts, with an error naming the key, the file and the valid keys.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from dynmo_hpc.config.data_source import data_vocab_size, resolve_vocab_size
+from dynmo_hpc.config.data_source import TOKEN_FILE_SUFFIX, data_vocab_size, resolve_vocab_size
 from dynmo_hpc.config.hf_model import apply_init_from
 from dynmo_hpc.config.job import JobConfig
 from dynmo_hpc.config.strict_yaml import parse_yaml
 from dynmo_hpc.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _type_name(tp: Any) -> str:
@@ -166,6 +169,7 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
             data = {**data, "model": apply_init_from(model)}
         cfg: JobConfig = _build(JobConfig, data, "", source)
         try:
+            cfg = _tokens_take_no_tokenizer(cfg)
             cfg = _with_data_vocab(cfg, explicit="vocab_size" in (data.get("model") or {}))
             cfg.validate()
         except ConfigError as exc:
@@ -173,6 +177,26 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     except ConfigError as exc:
         raise ConfigError(with_hint(str(exc))) from None
     return cfg
+
+
+def _tokens_take_no_tokenizer(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with ``data.tokenizer`` dropped when ``data.path`` is already tokens (a prepared
+    directory or a ``.bin`` file), with one warning line.
+
+    Why: ``data.tokenizer`` says how to tokenize *text*; a job that tokenizes its text on first
+    use must still switch to a prepared dataset with ``--set data.path=DIR`` alone.
+    """
+    data = cfg.data
+    if data.tokenizer is None or data.path is None:
+        return cfg
+    if not (Path(data.path).is_dir() or data.path.endswith(TOKEN_FILE_SUFFIX)):
+        return cfg
+    log.warning(
+        "data.path=%r is already tokens: data.tokenizer is not used (the data's own vocabulary "
+        "applies)",
+        data.path,
+    )
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, tokenizer=None))
 
 
 def _with_data_vocab(cfg: JobConfig, *, explicit: bool) -> JobConfig:
