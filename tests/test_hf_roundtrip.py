@@ -201,3 +201,38 @@ def test_run_refuses_a_checkpoint_with_a_missing_tensor_before_writing(tmp_path,
     (error,) = [line for line in lines if line not in warnings]
     assert "model.layers.2.self_attn.k_proj.weight is missing" in error and str(source) in error
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.mpi
+def test_export_carries_the_runs_tokenizer(tmp_path, capsys):
+    """A llama trained on text tokenized on first use (``data.tokenizer``) exports the
+    tokenizer it trained on: transformers' ``AutoTokenizer`` loads it from the export and
+    encodes as the run's tokenizer does; a byte-level run exports no tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    cfg = tiny_config(
+        tmp_path,
+        *LLAMA,
+        "data.tokenizer={train: true, vocab_size: 320}",
+        "checkpoint.at_end=true",
+        "job.name=tokenized",
+    )
+    run_job(cfg)
+    out = tmp_path / "exported"
+    _export(cfg.run_dir, out)
+    printed = capsys.readouterr().out
+    (cache,) = (tmp_path / ".data_cache").iterdir()
+    assert f"tokenizer: {cache / 'tokenizer.json'}" in printed
+    assert (out / "tokenizer.json").read_bytes() == (cache / "tokenizer.json").read_bytes()
+    text = "def export(model):\n    return model.to_hf()  # naïve"
+    theirs = AutoTokenizer.from_pretrained(out)(text)["input_ids"]
+    assert theirs == Tokenizer.from_file(str(cache / "tokenizer.json")).encode(text).ids
+    model, info = hf_load_model(out)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.vocab_size == cfg.model.vocab_size
+
+    plain = tiny_config(tmp_path, "checkpoint.at_end=true", "job.name=bytes")
+    run_job(plain)
+    _export(plain.run_dir, tmp_path / "bytes_exported")
+    assert not (tmp_path / "bytes_exported" / "tokenizer.json").exists()

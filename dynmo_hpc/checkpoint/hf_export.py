@@ -12,6 +12,10 @@ docs/models.md say):
   every block in full (the function changes; the weights are the trained ones);
 * ``moe``: refused (a mixture-of-experts block has no dense feed-forward to export).
 
+With ``tokenizer`` (the ``tokenizer.json`` the run's data was tokenized with), the directory also
+holds that file and a ``tokenizer_config.json`` naming the fast tokenizer class, so
+``transformers.AutoTokenizer`` loads it beside the model.
+
 The head is exported untied (``tie_word_embeddings: false``, its own ``lm_head.weight``): our
 embedding and head are separate layers. Nothing is half-written: the files go to a temporary
 directory beside ``out``, renamed to ``out`` when complete.
@@ -32,6 +36,11 @@ from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.hf_weights import SINGLE_FILE, dense_state, export_tensors, save_safetensors
 
 log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast"}
+"""What ``tokenizer_config.json`` says: the class that wraps a ``tokenizer.json``."""
 
 EXACT = "exact"
 BACKBONE = "backbone"
@@ -72,8 +81,15 @@ def export_notes(schemes: list[str], dense_backbone: bool) -> list[str]:
     return notes
 
 
-def export_model(loaded: LoadedModel, out: Path, *, dense_backbone: bool = False) -> list[str]:
-    """Write ``loaded`` to the new directory ``out``; returns the per-scheme notes.
+def export_model(
+    loaded: LoadedModel,
+    out: Path,
+    *,
+    dense_backbone: bool = False,
+    tokenizer: Path | None = None,
+) -> list[str]:
+    """Write ``loaded`` to the new directory ``out`` (with ``tokenizer``'s files when given);
+    returns the per-scheme notes.
 
     Raises:
         CheckpointError: ``out`` exists and is not empty, a scheme cannot be exported, or the
@@ -99,6 +115,9 @@ def export_model(loaded: LoadedModel, out: Path, *, dense_backbone: bool = False
     try:
         save_safetensors(tensors, tmp / SINGLE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+            (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -1,18 +1,26 @@
 """``dynmo-hpc export CHECKPOINT --out DIR``: a Hugging Face directory transformers loads.
 
 Writes ``config.json`` and ``model.safetensors`` (:mod:`dynmo_hpc.checkpoint.hf_export` says what
-each scheme exports); ``--dense-backbone`` exports models whose routing, early exits or sparse
-attention Hugging Face cannot express as their dense backbone, and prints what changes.
+each scheme exports), and the tokenizer files when the run's data was tokenized (a prepared
+directory, or a ``data.tokenizer`` cache); ``--dense-backbone`` exports models whose routing,
+early exits or sparse attention Hugging Face cannot express as their dense backbone, and prints
+what changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
 from dynmo_hpc.checkpoint.hf_export import export_model
 from dynmo_hpc.checkpoint.model_files import load_model
+from dynmo_hpc.config import JobConfig
+from dynmo_hpc.data.source import tokenizer_file
+from dynmo_hpc.errors import DynmoError
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,8 +46,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the ``export`` subcommand; 0 on success."""
     loaded = load_model(args.checkpoint)
-    notes = export_model(loaded, args.out, dense_backbone=args.dense_backbone)
+    tokenizer = _run_tokenizer(loaded.cfg)
+    notes = export_model(loaded, args.out, dense_backbone=args.dense_backbone, tokenizer=tokenizer)
     print(f"exported {loaded.source} -> {args.out}")
+    if tokenizer is not None:
+        print(f"  tokenizer: {tokenizer}")
     for note in notes:
         print(f"  {note}")
     return 0
+
+
+def _run_tokenizer(cfg: JobConfig) -> Path | None:
+    """The run's ``tokenizer.json``, or None (byte-level data, a ``.bin`` file, an imported
+    Hugging Face directory). One warning line when the run's data had one that is gone."""
+    try:
+        path = tokenizer_file(cfg.data, cfg.job.out_dir)
+    except DynmoError as exc:
+        log.warning("the run's tokenizer cannot be found (%s): exported without it", exc)
+        return None
+    if path is not None and not path.is_file():
+        log.warning("the run's tokenizer %s is not there: exported without it", path)
+        return None
+    return path

@@ -25,7 +25,7 @@ from dynmo_hpc.config import DataSection
 from dynmo_hpc.config.data_source import META_FILE, is_prepared_dir
 from dynmo_hpc.data.cache import cache_dir_for, ensure_prepared
 from dynmo_hpc.data.corpus import read_corpus, split_sizes
-from dynmo_hpc.data.shards import open_prepared
+from dynmo_hpc.data.shards import TOKENIZER_FILE, open_prepared
 from dynmo_hpc.data.tokens import check_vocab, is_token_file, open_tokens
 from dynmo_hpc.errors import ConfigError
 
@@ -51,6 +51,17 @@ def _prepared_dir(data: DataSection, out_dir: str | None) -> Path | None:
     if data.path is not None and is_prepared_dir(data.path):
         return Path(data.path)
     return None
+
+
+def tokenizer_file(data: DataSection, out_dir: str | None) -> Path | None:
+    """The ``tokenizer.json`` the data's ids came from: a prepared directory's (given, or the
+    ``data.tokenizer`` cache's); None for byte-level text and ``.bin`` files, which carry none.
+
+    Raises:
+        ConfigError: the data names a prepared directory or cache that is not there.
+    """
+    directory = _prepared_dir(data, out_dir)
+    return None if directory is None else directory / TOKENIZER_FILE
 
 
 def _check_lengths(train: int, val: int, seq_len: int, unit: str, where: str) -> None:
