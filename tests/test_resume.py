@@ -55,7 +55,7 @@ CASES: dict[str, dict[str, Any]] = {
     "bf16": {
         "scheme": None,
         "stages": (3, 2, 3),
-        "extra": ["train.precision=bf16", "train.eval_interval=3", "train.eval_windows=4"],
+        "extra": [*LLAMA, "train.precision=bf16", "train.eval_interval=3", "train.eval_windows=4"],
     },
 }
 
