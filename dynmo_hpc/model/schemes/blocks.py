@@ -28,6 +28,18 @@ from dynmo_hpc.model.schemes import sparse_attention
 from dynmo_hpc.model.schemes.moe import MoEFeedForward
 
 
+def feed_forward(mlp: nn.Module, x: Tensor, ctx: MicrobatchContext) -> Tensor:
+    """A block's feed-forward ``mlp`` on (..., C), dense or MoE (which sees the tokens as rows
+    and appends its balancing loss to ``ctx``); shared by every family's scheme block."""
+    if isinstance(mlp, MoEFeedForward):
+        shape = x.shape
+        y, aux = mlp(x.reshape(-1, shape[-1]))  # (N, C)
+        ctx.aux_losses.append(aux)
+        return y.view(shape)
+    out: Tensor = mlp(x)
+    return out
+
+
 class SchemeAttention(nn.Module):
     """Causal self-attention with a variable number of heads and optional block sparsity.
 
@@ -142,13 +154,8 @@ class SchemeBlock(Block):
         """Tokens seen and tokens computed since the last report (early-exit models)."""
 
     def feed_forward(self, x: Tensor, ctx: MicrobatchContext) -> Tensor:
-        """The block's feed-forward on (..., C); an MoE appends its balancing loss to ``ctx``."""
-        if isinstance(self.mlp, MoEFeedForward):
-            shape = x.shape
-            y, aux = self.mlp(x.reshape(-1, shape[-1]))  # (N, C)
-            ctx.aux_losses.append(aux)
-            return y.view(shape)
-        return self.mlp(x)
+        """The block's feed-forward on (..., C) (:func:`feed_forward`)."""
+        return feed_forward(self.mlp, x, ctx)
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         assert x is not None

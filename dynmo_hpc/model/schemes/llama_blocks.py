@@ -28,8 +28,7 @@ from dynmo_hpc.config import ModelSection
 from dynmo_hpc.model.families.llama import LlamaAttention, LlamaBlock, apply_rope, rope_cos_sin
 from dynmo_hpc.model.gpt import MicrobatchContext, Payload
 from dynmo_hpc.model.schemes import sparse_attention
-from dynmo_hpc.model.schemes.blocks import ForwardPath
-from dynmo_hpc.model.schemes.moe import MoEFeedForward
+from dynmo_hpc.model.schemes.blocks import ForwardPath, feed_forward
 
 
 class LlamaSchemeAttention(LlamaAttention):
@@ -142,14 +141,8 @@ class LlamaSchemeBlock(LlamaBlock):
         return self.post_attention_layernorm
 
     def feed_forward(self, x: Tensor, ctx: MicrobatchContext) -> Tensor:
-        """The block's SwiGLU on (..., C); an MoE appends its balancing loss to ``ctx``."""
-        if isinstance(self.mlp, MoEFeedForward):
-            shape = x.shape
-            y, aux = self.mlp(x.reshape(-1, shape[-1]))  # (N, C)
-            ctx.aux_losses.append(aux)
-            return y.view(shape)
-        out: Tensor = self.mlp(x)
-        return out
+        """The block's SwiGLU (or its MoE) on (..., C) (:func:`.blocks.feed_forward`)."""
+        return feed_forward(self.mlp, x, ctx)
 
     def forward(self, x: Payload | None, ctx: MicrobatchContext) -> Payload:
         assert x is not None
