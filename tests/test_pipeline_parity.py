@@ -8,7 +8,8 @@ one autograd backward, and gradient clipping sums per-layer norms in global laye
 Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage runs
 on all four ranks, the 3-stage run on ranks 0-2, the 2-stage runs on the two halves of the world
 at once, the 1-stage run on rank 0 alone. The ``torch.distributed`` transport runs last on the
-second half (its process group spans that half).
+second half (its process group spans that half). Tied embeddings run on 1 and 2 stages, both
+families, and 2 replicas of 2 stages.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.checkpoint.store import load_layer, resolve
+from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
@@ -83,6 +85,32 @@ def llama_config(out_dir: Path) -> config_mod.JobConfig:
     )
 
 
+TIED_CASES = [
+    # (arch, stages, replicas, communicator)
+    ("gpt2", 2, 1, "half1"),
+    ("llama", 2, 1, "half0"),
+    ("gpt2", 1, 1, "self2"),
+    ("gpt2", 2, 2, "world"),
+]
+TIED_WEIGHT = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}
+
+
+def tied_config(out_dir: Path, arch: str, num_stages: int, replicas: int) -> config_mod.JobConfig:
+    """Tied embeddings, clipping active every step, a checkpoint at the end."""
+    return tiny_config(
+        out_dir,
+        f"model.arch={arch}",
+        "model.tie_embeddings=true",
+        f"pipeline.num_stages={num_stages}",
+        f"pipeline.replicas={replicas}",
+        "train.num_microbatches=4",
+        "train.steps=8",
+        "train.grad_clip=0.05",
+        "checkpoint.at_end=true",
+        f"job.name=tied_{arch}_{num_stages}x{replicas}",
+    )
+
+
 def torch_p2p_config(out_dir: Path) -> config_mod.JobConfig:
     return tiny_config(out_dir, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
 
@@ -92,6 +120,7 @@ def runs(out_dir: Path) -> rank_program.Runs:
         *[(RUN_ON[case], case_config(out_dir, *case)) for case in CASES],
         ("world", params_config(out_dir)),
         ("half0", llama_config(out_dir)),
+        *[(comm, tied_config(out_dir, *case)) for *case, comm in TIED_CASES],
         ("half1", torch_p2p_config(out_dir)),  # last: it sets up torch.distributed
     ]
 
@@ -140,6 +169,25 @@ def test_llama_losses_match_single_process(out_dir):
     losses = _losses(cfg)
     assert_losses_close(losses, reference.losses, rel=1e-5)
     assert losses[-1] < losses[0], "the model should learn"
+
+
+@pytest.mark.parametrize(("arch", "num_stages", "replicas", "comm"), TIED_CASES)
+def test_tied_embeddings_match_the_reference_and_stay_bitwise_equal(
+    out_dir, arch, num_stages, replicas, comm
+):
+    """Tied: the first and last stage sum the two copies' gradients (one stage: locally), so
+    the losses are the reference's and, after every step, the copies are bitwise equal."""
+    cfg = tied_config(out_dir, arch, num_stages, replicas)
+    reference = train_reference(cfg)
+    assert_losses_close(_losses(cfg), reference.losses, rel=1e-5)
+    directory = resolve(cfg.run_dir)[0].path
+    last = cfg.model.num_layers - 1
+    embedding = load_layer(directory, 0)["module"][TIED_WEIGHT[arch]]
+    head = load_layer(directory, last)["module"]["lm_head.weight"]
+    assert torch.equal(embedding, head), "the tied copies differ after training"
+    torch.testing.assert_close(embedding, reference.state[0][TIED_WEIGHT[arch]])
+    initial = build_layer(cfg, 0).get_parameter(TIED_WEIGHT[arch])
+    assert not torch.equal(embedding, initial), "the tied weight should have trained"
 
 
 def test_torch_distributed_transport_matches_reference(out_dir):
