@@ -26,6 +26,7 @@ from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
+from tests.helpers.scheme_jobs import SCHEME_OVERRIDES
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -111,6 +112,19 @@ def tied_config(out_dir: Path, arch: str, num_stages: int, replicas: int) -> con
     )
 
 
+def tied_freezing_config(out_dir: Path) -> config_mod.JobConfig:
+    """Tied gpt2 on 2 stages with freezing that freezes the embedding within the run."""
+    return tiny_config(
+        out_dir,
+        "model.tie_embeddings=true",
+        "pipeline.num_stages=2",
+        "train.steps=6",
+        "checkpoint.at_end=true",
+        *SCHEME_OVERRIDES["freezing"],
+        "job.name=tied_freezing",
+    )
+
+
 def torch_p2p_config(out_dir: Path) -> config_mod.JobConfig:
     return tiny_config(out_dir, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
 
@@ -121,6 +135,7 @@ def runs(out_dir: Path) -> rank_program.Runs:
         ("world", params_config(out_dir)),
         ("half0", llama_config(out_dir)),
         *[(comm, tied_config(out_dir, *case)) for *case, comm in TIED_CASES],
+        ("half0", tied_freezing_config(out_dir)),
         ("half1", torch_p2p_config(out_dir)),  # last: it sets up torch.distributed
     ]
 
@@ -188,6 +203,20 @@ def test_tied_embeddings_match_the_reference_and_stay_bitwise_equal(
     torch.testing.assert_close(embedding, reference.state[0][TIED_WEIGHT[arch]])
     initial = build_layer(cfg, 0).get_parameter(TIED_WEIGHT[arch])
     assert not torch.equal(embedding, initial), "the tied weight should have trained"
+
+
+def test_a_frozen_tied_embedding_still_trains_its_token_table_through_the_head(out_dir):
+    """Freezing layer 0 freezes its position table; the tied token table is one parameter with
+    the head's and keeps training, on the pipeline as in the reference."""
+    cfg = tied_freezing_config(out_dir)
+    reference = train_reference(cfg)
+    assert_losses_close(_losses(cfg), reference.losses, rel=1e-5)
+    directory = resolve(cfg.run_dir)[0].path
+    embedding = load_layer(directory, 0)["module"]
+    head = load_layer(directory, cfg.model.num_layers - 1)["module"]
+    assert bool(embedding["frozen"]), "the embedding should have frozen"
+    assert torch.equal(embedding["wte.weight"], head["lm_head.weight"])
+    torch.testing.assert_close(embedding["wte.weight"], reference.state[0]["wte.weight"])
 
 
 def test_torch_distributed_transport_matches_reference(out_dir):
