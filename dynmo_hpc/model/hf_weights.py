@@ -211,7 +211,7 @@ def export_tensors(
     layouts (contiguous fp32 copies); with ``tie_embeddings`` the head's ``lm_head.weight`` is
     left out (``tie_word_embeddings: true``: the embedding's tensor is the one weight)."""
     out = {}
-    skip = tied_name(cfg, index) if tied_name(cfg, index) == HEAD_WEIGHT else None
+    skip = HEAD_WEIGHT if tied_name(cfg, index) == HEAD_WEIGHT else None
     for ours, spec in family_of(cfg).hf_tensors(cfg, index).items():
         if ours == skip:
             continue  # a tied head: Hugging Face reads the embedding's tensor

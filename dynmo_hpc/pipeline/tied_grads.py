@@ -43,6 +43,11 @@ def sum_tied_grads(cfg: ModelSection, groups: RankGroups, slots: Sequence[LayerS
         return
     if groups.tied is None:
         return
+    if len(params) != 1:  # every stage has a layer, so layer 0 / N+1 is on stage 0 / P-1
+        raise RuntimeError(
+            f"stage {groups.topology.stage} holds {len(params)} copies of the tied weight, "
+            "expected 1; HINT: the embedding and the head must stay on the first and last stage"
+        )
     (param,) = params
     grad = param.grad
     buffer = torch.zeros(param.numel() + 1, dtype=torch.float64)
