@@ -17,7 +17,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/version.py dynmo_hpc/pipeline/schedule.py dynmo_hpc/pipeline/costs.py \
 	dynmo_hpc/train/rebalance.py dynmo_hpc/pipeline/topology.py dynmo_hpc/pipeline/waiting.py dynmo_hpc/slurm/sbatch.py dynmo_hpc/slurm/environment.py \
 	dynmo_hpc/slurm/step.py dynmo_hpc/launch/rundir.py dynmo_hpc/runlog/schema.py \
-	dynmo_hpc/launch/preflight.py dynmo_hpc/data/corpus.py dynmo_hpc/data/tokens.py dynmo_hpc/data/shards.py dynmo_hpc/data/text_files.py dynmo_hpc/data/prepare.py dynmo_hpc/data/source.py dynmo_hpc/data/cache.py dynmo_hpc/pipeline/evaluate.py dynmo_hpc/model/layer_call.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
+	dynmo_hpc/launch/preflight.py dynmo_hpc/data/corpus.py dynmo_hpc/data/tokens.py dynmo_hpc/data/shards.py dynmo_hpc/data/text_files.py dynmo_hpc/data/prepare.py dynmo_hpc/data/source.py dynmo_hpc/data/cache.py dynmo_hpc/pipeline/evaluate.py dynmo_hpc/model/layer_call.py dynmo_hpc/model/tied.py dynmo_hpc/pipeline/tied_grads.py dynmo_hpc/runlog/precheck.py dynmo_hpc/runlog/torn_chunk.py \
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
 	dynmo_hpc/handoff dynmo_hpc/report_cycle.py dynmo_hpc/placement.py \
 	dynmo_hpc/testing/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \

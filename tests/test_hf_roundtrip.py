@@ -4,18 +4,22 @@
   windows (1e-5 relative, fp32), for both families;
 * import -> train on 2 MPI stages with forced migrations -> ``dynmo-hpc export`` ->
   ``AutoModelForCausalLM.from_pretrained`` with no missing or unexpected weights, and the same
-  loss on both sides (and the trained weights moved away from the imported ones);
+  loss on both sides (and the trained weights moved away from the imported ones); untied, and
+  tied (``tie_word_embeddings: true`` both ways, trained tied, exported without
+  ``lm_head.weight``);
 * per scheme: pruning exports exactly (zeros in the dense weights), MoD exports only with
   ``--dense-backbone``, MoE is refused; bad input is one ``error:`` line and nothing written.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dynmo_hpc.checkpoint.hf_export import export_notes
 from dynmo_hpc.checkpoint.model_files import load_model
@@ -29,6 +33,7 @@ from tests.helpers.jobs import run_job, tiny_config
 from tests.helpers.scheme_jobs import LLAMA, SCHEME_OVERRIDES
 
 SEQ_LEN = 24
+TIED_WEIGHT = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}
 NUM_WINDOWS = 6
 
 
@@ -89,9 +94,13 @@ def _export(run_dir: Path, out: Path, *extra: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_import_train_migrate_export_loads_in_transformers(tmp_path, arch, capsys):
-    source = save_model(tmp_path / "hf", arch, num_hidden_layers=4, n_layer=4)
+@pytest.mark.parametrize(
+    ("arch", "tied"),
+    [("llama", False), ("gpt2", True), ("llama", True)],  # gpt2: transformers' default, tied
+)
+def test_import_train_migrate_export_loads_in_transformers(tmp_path, arch, tied, capsys):
+    overrides = {"tie_word_embeddings": True} if arch == "llama" and tied else {}
+    source = save_model(tmp_path / "hf", arch, num_hidden_layers=4, n_layer=4, **overrides)
     cfg = tiny_config(
         tmp_path,
         f"model.init_from={source}",
@@ -101,8 +110,9 @@ def test_import_train_migrate_export_loads_in_transformers(tmp_path, arch, capsy
         "balance.algorithm=optimal",
         "balance.force_moves=true",
         "checkpoint.at_end=true",
-        f"job.name=roundtrip_{arch}",
+        f"job.name=roundtrip_{arch}_{'tied' if tied else 'untied'}",
     )
+    assert cfg.model.tie_embeddings is tied
     result = run_job(cfg)
     migrations = load(cfg.run_dir / "run.h5").events.query("kind == 'migrate'")
     assert len(migrations) >= 1, "the run should have migrated layers"
@@ -110,9 +120,16 @@ def test_import_train_migrate_export_loads_in_transformers(tmp_path, arch, capsy
 
     out = tmp_path / "exported"
     _export(cfg.run_dir, out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied
+    assert ("lm_head.weight" in load_file(out / "model.safetensors")) is not tied
     data = _token_file(tmp_path / "tokens.bin")
     theirs, info = _hf_loss(out, data)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if tied:
+        model = hf_load_model(out)[0]
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        loaded = load_model(cfg.run_dir).layers
+        assert torch.equal(loaded[0].get_parameter(TIED_WEIGHT[arch]), loaded[-1].lm_head.weight)
     ours = _eval(cfg.run_dir, data, capsys)
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
     before, _ = _hf_loss(source, data)

@@ -5,7 +5,8 @@
   weights, tanh GELU) built by transformers from a config and imported with
   ``model.init_from`` score the same loss as transformers on the same windows (1e-5 relative,
   fp32), from one file and from a sharded index;
-* config.json wins over the job's model keys, with one warning line per differing key;
+* config.json wins over the job's model keys, with one warning line per differing key (its
+  ``tie_word_embeddings`` sets ``model.tie_embeddings``);
 * bad input: one line naming the file and the key or tensor.
 """
 
@@ -201,12 +202,14 @@ def test_layer_params_count_what_the_family_builds(model):
     assert cfg.model.layer_params() == built
 
 
-def test_a_tied_head_is_imported_as_a_copy_with_one_warning(tmp_path, caplog):
+def test_a_tied_head_imports_tied_with_no_warning(tmp_path, caplog):
+    """config.json's tie_word_embeddings (GPT-2's default) sets model.tie_embeddings; the head
+    holds its own copy, equal to the embedding's."""
     directory = save_model(tmp_path / "hf", "gpt2")  # GPT-2 ties lm_head to wte
     with caplog.at_level(logging.WARNING, logger="dynmo_hpc.config.hf_model"):
         cfg = _job(directory)
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "ties its LM head to its embedding" in lines[0], lines
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert cfg.model.tie_embeddings
     head, embedding = build_layer(cfg, cfg.model.num_layers - 1), build_layer(cfg, 0)
     assert torch.equal(head.lm_head.weight, embedding.wte.weight)
     assert head.lm_head.weight.data_ptr() != embedding.wte.weight.data_ptr()

@@ -8,7 +8,8 @@ one autograd backward, and gradient clipping sums per-layer norms in global laye
 Every run trains in one ``mpiexec`` launch (:mod:`tests.helpers.rank_program`): the 4-stage runs
 on all four ranks, the 3-stage run on ranks 0-2, the 2-stage runs on the two halves of the world
 at once, the 1-stage run on rank 0 alone. The ``torch.distributed`` transport runs last on the
-second half (its process group spans that half).
+second half (its process group spans that half). Tied embeddings run on 1 and 2 stages, both
+families, and 2 replicas of 2 stages.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 
 from dynmo_hpc import config as config_mod
 from dynmo_hpc.checkpoint.store import load_layer, resolve
+from dynmo_hpc.model.schemes import build_layer
 from dynmo_hpc.testing.reference import train_reference
 from tests.helpers import rank_program
 from tests.helpers.jobs import assert_losses_close, read_result, tiny_config
+from tests.helpers.scheme_jobs import SCHEME_OVERRIDES
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -83,6 +86,45 @@ def llama_config(out_dir: Path) -> config_mod.JobConfig:
     )
 
 
+TIED_CASES = [
+    # (arch, stages, replicas, communicator)
+    ("gpt2", 2, 1, "half1"),
+    ("llama", 2, 1, "half0"),
+    ("gpt2", 1, 1, "self2"),
+    ("gpt2", 2, 2, "world"),
+]
+TIED_WEIGHT = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}
+
+
+def tied_config(out_dir: Path, arch: str, num_stages: int, replicas: int) -> config_mod.JobConfig:
+    """Tied embeddings, clipping active every step, a checkpoint at the end."""
+    return tiny_config(
+        out_dir,
+        f"model.arch={arch}",
+        "model.tie_embeddings=true",
+        f"pipeline.num_stages={num_stages}",
+        f"pipeline.replicas={replicas}",
+        "train.num_microbatches=4",
+        "train.steps=8",
+        "train.grad_clip=0.05",
+        "checkpoint.at_end=true",
+        f"job.name=tied_{arch}_{num_stages}x{replicas}",
+    )
+
+
+def tied_freezing_config(out_dir: Path) -> config_mod.JobConfig:
+    """Tied gpt2 on 2 stages with freezing that freezes the embedding within the run."""
+    return tiny_config(
+        out_dir,
+        "model.tie_embeddings=true",
+        "pipeline.num_stages=2",
+        "train.steps=6",
+        "checkpoint.at_end=true",
+        *SCHEME_OVERRIDES["freezing"],
+        "job.name=tied_freezing",
+    )
+
+
 def torch_p2p_config(out_dir: Path) -> config_mod.JobConfig:
     return tiny_config(out_dir, "pipeline.num_stages=2", "runtime.p2p=torch", "job.name=p2p_torch")
 
@@ -92,6 +134,8 @@ def runs(out_dir: Path) -> rank_program.Runs:
         *[(RUN_ON[case], case_config(out_dir, *case)) for case in CASES],
         ("world", params_config(out_dir)),
         ("half0", llama_config(out_dir)),
+        *[(comm, tied_config(out_dir, *case)) for *case, comm in TIED_CASES],
+        ("half0", tied_freezing_config(out_dir)),
         ("half1", torch_p2p_config(out_dir)),  # last: it sets up torch.distributed
     ]
 
@@ -140,6 +184,39 @@ def test_llama_losses_match_single_process(out_dir):
     losses = _losses(cfg)
     assert_losses_close(losses, reference.losses, rel=1e-5)
     assert losses[-1] < losses[0], "the model should learn"
+
+
+@pytest.mark.parametrize(("arch", "num_stages", "replicas", "comm"), TIED_CASES)
+def test_tied_embeddings_match_the_reference_and_stay_bitwise_equal(
+    out_dir, arch, num_stages, replicas, comm
+):
+    """Tied: the first and last stage sum the two copies' gradients (one stage: locally), so
+    the losses are the reference's and, after every step, the copies are bitwise equal."""
+    cfg = tied_config(out_dir, arch, num_stages, replicas)
+    reference = train_reference(cfg)
+    assert_losses_close(_losses(cfg), reference.losses, rel=1e-5)
+    directory = resolve(cfg.run_dir)[0].path
+    last = cfg.model.num_layers - 1
+    embedding = load_layer(directory, 0)["module"][TIED_WEIGHT[arch]]
+    head = load_layer(directory, last)["module"]["lm_head.weight"]
+    assert torch.equal(embedding, head), "the tied copies differ after training"
+    torch.testing.assert_close(embedding, reference.state[0][TIED_WEIGHT[arch]])
+    initial = build_layer(cfg, 0).get_parameter(TIED_WEIGHT[arch])
+    assert not torch.equal(embedding, initial), "the tied weight should have trained"
+
+
+def test_a_frozen_tied_embedding_still_trains_its_token_table_through_the_head(out_dir):
+    """Freezing layer 0 freezes its position table; the tied token table is one parameter with
+    the head's and keeps training, on the pipeline as in the reference."""
+    cfg = tied_freezing_config(out_dir)
+    reference = train_reference(cfg)
+    assert_losses_close(_losses(cfg), reference.losses, rel=1e-5)
+    directory = resolve(cfg.run_dir)[0].path
+    embedding = load_layer(directory, 0)["module"]
+    head = load_layer(directory, cfg.model.num_layers - 1)["module"]
+    assert bool(embedding["frozen"]), "the embedding should have frozen"
+    assert torch.equal(embedding["wte.weight"], head["lm_head.weight"])
+    torch.testing.assert_close(embedding["wte.weight"], reference.state[0]["wte.weight"])
 
 
 def test_torch_distributed_transport_matches_reference(out_dir):

@@ -50,6 +50,11 @@ CASES: dict[str, dict[str, Any]] = {
     "freezing": {"scheme": "freezing", "stages": (2, 3, 2), "extra": ["pipeline.schedule=gpipe"]},
     "sparse_attention": {"scheme": "sparse_attention", "stages": (2, 3, 2), "extra": []},
     "early_exit": {"scheme": "early_exit", "stages": (3, 2, 3), "extra": []},
+    "tied": {
+        "scheme": None,
+        "stages": (2, 3, 2),
+        "extra": ["model.tie_embeddings=true", "balance.algorithm=optimal"],
+    },
     "mod": {"scheme": "mod", "stages": (2, 3, 2), "extra": ["runtime.p2p=torch"]},
     "llama_mod": {"scheme": "mod", "stages": (3, 2, 3), "extra": LLAMA},
     "bf16": {
@@ -83,6 +88,7 @@ REFERENCE_ON = {
     "pruning": "trio",
     "freezing": "trio",
     "sparse_attention": "trio",
+    "tied": "trio",
     "mod": "trio",  # last on its ranks: runtime.p2p=torch sets up torch.distributed
 }
 

@@ -16,9 +16,11 @@ With ``tokenizer`` (the ``tokenizer.json`` the run's data was tokenized with), t
 holds that file and a ``tokenizer_config.json`` naming the fast tokenizer class, so
 ``transformers.AutoTokenizer`` loads it beside the model.
 
-The head is exported untied (``tie_word_embeddings: false``, its own ``lm_head.weight``): our
-embedding and head are separate layers. Nothing is half-written: the files go to a temporary
-directory beside ``out``, renamed to ``out`` when complete.
+The head is exported as the model trained it: untied (``tie_word_embeddings: false``, its own
+``lm_head.weight``), or with ``model.tie_embeddings`` tied (``tie_word_embeddings: true``, no
+``lm_head.weight``: the embedding's copy, bitwise equal to the head's, is the one weight).
+Nothing is half-written: the files go to a temporary directory beside ``out``, renamed to
+``out`` when complete.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ def _llama_keys(hf: dict[str, Any], source: str) -> ModelKeys:
         "vocab_size": int(_require(hf, "vocab_size", source)),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
 
@@ -101,6 +102,7 @@ def _gpt2_keys(hf: dict[str, Any], source: str) -> ModelKeys:
         "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
         "activation": "gelu" if activation == "gelu" else "gelu_tanh",
         "max_positions": int(_require(hf, "n_positions", source)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
     }
 
 
@@ -148,9 +150,9 @@ def model_keys_from_hf(directory: str | Path) -> ModelKeys:
 def apply_init_from(model: dict[str, Any]) -> dict[str, Any]:
     """The job's ``model:`` mapping with ``init_from``'s config.json keys applied over it.
 
-    One warning line per key the job set to a different value (and one when the checkpoint ties
-    its head to its embedding: ours are separate layers); keys the job left out are filled in
-    silently. Returns a new mapping; ``model`` is not changed.
+    One warning line per key the job set to a different value; keys the job left out are filled
+    in silently. ``tie_word_embeddings`` (transformers' default: true for GPT-2, false for
+    Llama) sets ``tie_embeddings``. Returns a new mapping; ``model`` is not changed.
     """
     directory = model.get("init_from")
     if directory is None:
@@ -166,13 +168,6 @@ def apply_init_from(model: dict[str, Any]) -> dict[str, Any]:
                 value,
                 value,
             )
-    hf = read_hf_config(str(directory))
-    if hf.get("tie_word_embeddings", keys["arch"] == "gpt2"):
-        log.warning(
-            "%s ties its LM head to its embedding; the head is imported as a copy of the "
-            "embedding and trains on its own (export writes it untied)",
-            directory,
-        )
     if "layer_d_ff" in model and model["layer_d_ff"] is not None:
         raise ConfigError(
             "model.layer_d_ff cannot be combined with model.init_from (config.json sets one "
@@ -182,9 +177,13 @@ def apply_init_from(model: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_config_for(model: Any) -> dict[str, Any]:
-    """A transformers ``config.json`` for a ``ModelSection`` (untied head: ``lm_head`` is a
-    weight of its own in every checkpoint of ours)."""
-    common = {"vocab_size": model.vocab_size, "tie_word_embeddings": False, "dtype": "float32"}
+    """A transformers ``config.json`` for a ``ModelSection`` (``tie_word_embeddings`` as
+    ``model.tie_embeddings``)."""
+    common = {
+        "vocab_size": model.vocab_size,
+        "tie_word_embeddings": bool(model.tie_embeddings),
+        "dtype": "float32",
+    }
     if model.arch == "llama":
         return {
             "architectures": [HF_ARCH_NAMES["llama"]],

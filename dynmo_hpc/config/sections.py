@@ -110,6 +110,11 @@ class ModelSection:
     init_from: str | None = None
     """A Hugging Face model directory (config.json and *.safetensors) whose weights replace the
     initial weights; its config.json decides the model keys above (see docs/models.md)."""
+    tie_embeddings: bool = False
+    """Tie the LM head's weight to the token embedding (one parameter, as Hugging Face's
+    ``tie_word_embeddings``): the head's copy starts equal to the embedding's and both copies
+    get the sum of their gradients every step, so they stay bitwise equal. Set from config.json
+    with ``init_from``."""
 
     @property
     def num_layers(self) -> int:

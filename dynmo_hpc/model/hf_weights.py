@@ -24,6 +24,7 @@ from torch import nn
 from dynmo_hpc.config import ModelSection
 from dynmo_hpc.errors import CheckpointError
 from dynmo_hpc.model.families import HFTensor, build_module, family_of
+from dynmo_hpc.model.tied import HEAD_WEIGHT, tied_name
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -207,9 +208,13 @@ def export_tensors(
     cfg: ModelSection, index: int, state: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Layer ``index``'s parameters from its state dict, under their Hugging Face names and
-    layouts (contiguous fp32 copies)."""
+    layouts (contiguous fp32 copies); with ``tie_embeddings`` the head's ``lm_head.weight`` is
+    left out (``tie_word_embeddings: true``: the embedding's tensor is the one weight)."""
     out = {}
+    skip = HEAD_WEIGHT if tied_name(cfg, index) == HEAD_WEIGHT else None
     for ours, spec in family_of(cfg).hf_tensors(cfg, index).items():
+        if ours == skip:
+            continue  # a tied head: Hugging Face reads the embedding's tensor
         tensor = state[ours].detach().to(torch.float32)
         out[spec.name] = (tensor.t() if spec.transposed else tensor).contiguous().clone()
     return out

@@ -10,7 +10,7 @@ optimizer over the whole model.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -66,11 +66,12 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, train: TrainSection)
         group.update(hyper)
 
 
-def squared_grad_norm(module: nn.Module) -> float:
-    """Sum of squared gradient entries of one layer, accumulated in float64."""
+def squared_grad_norm(module: nn.Module, exclude: Collection[str] = ()) -> float:
+    """Sum of squared gradient entries of one layer, accumulated in float64; the parameters
+    named in ``exclude`` are left out (a tied weight's second copy)."""
     total = 0.0
-    for p in module.parameters():
-        if p.grad is not None:
+    for name, p in module.named_parameters():
+        if p.grad is not None and name not in exclude:
             total += float(torch.sum(p.grad.detach().double() ** 2))
     return total
 

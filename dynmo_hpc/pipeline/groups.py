@@ -8,6 +8,9 @@ each stage its data communicator (rank there = replica). Who talks over which:
   counted once), scheme decisions, layer migration (each replica moves the same layers over its
   own pipeline communicator);
 - ``data``: the per-step gradient all-reduce between the copies of one stage;
+- ``tied``: with tied embeddings and more than one stage, the first and the last stage of one
+  replica (rank there 0 and 1), which sum the two copies' gradients of the tied weight
+  (:mod:`dynmo_hpc.pipeline.tied_grads`); None on the other ranks;
 - ``world``: step-boundary agreement (stop signals, checkpoint clock), the gathers to rank 0
   (losses, stage times, load reports) and checkpoints.
 
@@ -35,6 +38,8 @@ class RankGroups:
     """This replica's ranks, ordered by stage (``pipeline.rank == topology.stage``)."""
     data: MPI.Comm
     """This stage's ranks, ordered by replica (``data.rank == topology.replica``)."""
+    tied: MPI.Comm | None = None
+    """The first and last stage of this replica (tied embeddings, several stages), else None."""
     ranks_on_host: int = 1
     """The ranks on this rank's host (MPI's shared-memory split of ``world``, or the launcher's
     count when that is more): how many share its cores."""
@@ -56,8 +61,11 @@ def launcher_ranks_on_host() -> int:
     return 0
 
 
-def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGroups:
-    """Split ``world`` into pipeline and data communicators; collective on ``world``.
+def make_groups(
+    world: MPI.Comm, num_stages: int, num_replicas: int, *, tied: bool = False
+) -> RankGroups:
+    """Split ``world`` into pipeline and data communicators (and, with ``tied``, the tied
+    embeddings' ones); collective on ``world``.
 
     Raises :class:`~dynmo_hpc.errors.ConfigError` (on every rank alike) when the world is not
     ``num_replicas * num_stages`` ranks.
@@ -68,9 +76,22 @@ def make_groups(world: MPI.Comm, num_stages: int, num_replicas: int) -> RankGrou
     pipeline = world.Split(color=topology.replica, key=topology.stage)
     data = world.Split(color=topology.stage, key=topology.replica)
     assert pipeline.rank == topology.stage and data.rank == topology.replica
+    tied_comm = None
+    if tied and num_stages > 1:
+        ends = topology.stage in (0, num_stages - 1)
+        tied_comm = world.Split(
+            color=topology.replica if ends else MPI.UNDEFINED, key=topology.stage
+        )
+        if tied_comm == MPI.COMM_NULL:
+            tied_comm = None
     host = world.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_on_host = max(host.size, launcher_ranks_on_host())
     host.Free()
     return RankGroups(
-        topology=topology, world=world, pipeline=pipeline, data=data, ranks_on_host=ranks_on_host
+        topology=topology,
+        world=world,
+        pipeline=pipeline,
+        data=data,
+        tied=tied_comm,
+        ranks_on_host=ranks_on_host,
     )

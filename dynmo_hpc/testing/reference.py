@@ -1,7 +1,8 @@
 """Single-process, non-pipelined training: the yardstick for pipeline correctness.
 
 Deliberately written as the plainest possible loop (all layers in one process, one autograd
-backward per microbatch, gradients accumulated over microbatches) and sharing only the model,
+backward per microbatch, gradients accumulated over microbatches; a tied embedding's two copies
+get their summed gradient, as on the pipeline) and sharing only the model,
 data and optimizer helpers with the pipeline engine. The tests require the pipeline's per-step
 losses to match these, so any schedule or communication bug shows up as a number.
 """
@@ -27,6 +28,7 @@ from dynmo_hpc.model.optim import (
     squared_grad_norm,
 )
 from dynmo_hpc.model.schemes import SchemeController, build_layer
+from dynmo_hpc.model.tied import norm_exclusions, sum_local_, tied_parameter
 
 
 @dataclass
@@ -78,7 +80,14 @@ def train_reference(cfg: JobConfig, steps: int | None = None) -> ReferenceResult
             objective.backward()
             step_loss += float(ctx.loss.detach()) / num_mb
         layers = [slot.module for slot in slots]
-        coeff = clip_coefficient([squared_grad_norm(m) for m in layers], cfg.train.grad_clip)
+        if cfg.model.tie_embeddings:
+            head = slots[-1]
+            sum_local_(
+                tied_parameter(cfg.model, 0, slots[0].module),
+                tied_parameter(cfg.model, head.index, head.module),
+            )
+        sq_norms = [squared_grad_norm(s.module, norm_exclusions(cfg.model, s.index)) for s in slots]
+        coeff = clip_coefficient(sq_norms, cfg.train.grad_clip)
         scale_grads_(layers, coeff)
         lr = lr_at(step, cfg.train)
         for slot in slots:

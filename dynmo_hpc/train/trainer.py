@@ -7,7 +7,9 @@ same order on every rank:
 
 1. the stage runs its replica's share of the step's microbatches (point-to-point with its
    pipeline neighbours only), then sums its gradients with the other replicas' copies of the
-   stage (:mod:`dynmo_hpc.pipeline.grad_sync`, over the data communicator);
+   stage (:mod:`dynmo_hpc.pipeline.grad_sync`, over the data communicator); with tied
+   embeddings the first and last stage then sum the tied weight's two copies' gradients
+   (:mod:`dynmo_hpc.pipeline.tied_grads`);
 2. ``Allreduce`` of per-layer squared gradient norms over the replica's pipeline (global-norm
    clipping, each layer counted once);
 3. optimizer step;
@@ -42,6 +44,7 @@ from dynmo_hpc.handoff import env
 from dynmo_hpc.handoff.resize import size_change, write_request
 from dynmo_hpc.model.optim import clip_coefficient, lr_at, squared_grad_norm
 from dynmo_hpc.model.schemes import SchemeController
+from dynmo_hpc.model.tied import norm_exclusions
 from dynmo_hpc.pipeline.comm import make_link
 from dynmo_hpc.pipeline.costs import CostTracker
 from dynmo_hpc.pipeline.device import pick_device
@@ -51,6 +54,7 @@ from dynmo_hpc.pipeline.groups import make_groups
 from dynmo_hpc.pipeline.migration.move import measure_bandwidth
 from dynmo_hpc.pipeline.schedule import build_schedule
 from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
+from dynmo_hpc.pipeline.tied_grads import sum_tied_grads
 from dynmo_hpc.report_cycle import is_report_step
 from dynmo_hpc.testing.fault_injection import make_injector
 from dynmo_hpc.train.lifecycle import PhaseTracker, StopRequest, TrainResult, count_nodes
@@ -119,7 +123,9 @@ class Trainer:
         restart: bool = False,
     ) -> None:
         """``restart``: a restart after a failure that left no checkpoint (starts over)."""
-        self.groups = make_groups(comm, cfg.pipeline.num_stages, cfg.pipeline.replicas)
+        self.groups = make_groups(
+            comm, cfg.pipeline.num_stages, cfg.pipeline.replicas, tied=cfg.model.tie_embeddings
+        )
         self.topo = self.groups.topology
         self.cfg = cfg
         self.comm = comm
@@ -310,10 +316,12 @@ class Trainer:
         stats = self.pipeline_stage.run_schedule(step, actions, reducer.layer_final)
         self.reporter.accumulator.add(stats.forward_s, stats.backward_s)
         sync = reducer.finish()
+        sum_tied_grads(cfg.model, self.groups, slots)
 
         sq_norms = np.zeros(cfg.model.num_layers, dtype=np.float64)
         for slot in slots:
-            sq_norms[slot.index] = squared_grad_norm(slot.module)
+            excluded = norm_exclusions(cfg.model, slot.index)
+            sq_norms[slot.index] = squared_grad_norm(slot.module, excluded)
         self.groups.pipeline.Allreduce(MPI.IN_PLACE, sq_norms, op=MPI.SUM)
         coefficient = clip_coefficient(sq_norms.tolist(), cfg.train.grad_clip)
         lr = lr_at(step, cfg.train)

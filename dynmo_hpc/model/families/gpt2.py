@@ -57,6 +57,7 @@ GPT2 = register(
         build_embedding=Embedding,
         build_block=Block,
         build_head=Head,
+        embedding_weight="wte.weight",
         init_layer=init_layer_,
         hf_tensors=hf_tensors,
         packed={"attn.c_attn.weight": 3, "attn.c_attn.bias": 3},

@@ -207,6 +207,7 @@ LLAMA = register(
         build_embedding=LlamaEmbedding,
         build_block=LlamaBlock,
         build_head=LlamaHead,
+        embedding_weight="embed_tokens.weight",
         init_layer=init_layer_,
         hf_tensors=hf_tensors,
     )

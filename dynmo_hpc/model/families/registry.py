@@ -49,6 +49,9 @@ class Family:
     """(module, model section, seed, global index): deterministic initialisation in place."""
     hf_tensors: Callable[[ModelSection, int], dict[str, HFTensor]]
     """(model section, global index) -> our parameter name -> its Hugging Face tensor."""
+    embedding_weight: str = "wte.weight"
+    """The embedding layer's token table, which ``model.tie_embeddings`` ties to the head's
+    ``lm_head.weight`` (same shape: vocab x d_model)."""
     packed: dict[str, int] = field(default_factory=dict)
     """Parameter name suffix -> how many equal parts it packs along dim 0 (GPT-2's fused
     ``c_attn``: q, k, v), so a pruned matrix is padded back part by part."""

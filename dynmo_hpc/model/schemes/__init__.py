@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dynmo_hpc.config import JobConfig
-from dynmo_hpc.model import families
+from dynmo_hpc.model import families, tied
 from dynmo_hpc.model.gpt import Spec, layer_kind
 from dynmo_hpc.model.gpt import activation_spec as base_activation_spec
 from dynmo_hpc.model.hf_weights import HFCheckpoint, load_layer_
@@ -117,6 +117,8 @@ def build_layer(cfg: JobConfig, index: int, *, import_weights: bool = True) -> n
     else:
         module = _build_module(cfg, index, schemes)
         families.family_of(cfg.model).init_layer(module, cfg.model, cfg.job.seed, index)
+    if tied.tied_name(cfg.model, index) == tied.HEAD_WEIGHT:
+        tied.copy_tied_(module, build_layer(cfg, 0, import_weights=False), cfg.model)
     if import_weights and cfg.model.init_from is not None:
         load_layer_(module, cfg.model, index, HFCheckpoint(cfg.model.init_from))
     for scheme in schemes:
