@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.errors import LaunchError
@@ -197,8 +197,26 @@ class LocalMpiLauncher:
             raise
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, _after_a_stop(sig) if interrupts else handler)
         return StepResult(rc, step.tail(), interrupted=interrupts[0] if interrupts else 0)
+
+
+def _exit_at_once(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGHUP after an interrupted step: leave now, with the shell's 128 + signal."""
+    raise SystemExit(128 + signum)
+
+
+def _after_a_stop(sig: int) -> Any:
+    """The handler for ``sig`` once a step was interrupted and the job is ending.
+
+    Why: the ranks may stop within a fraction of a second, so a second Ctrl-C can land after
+    the step is over, while the CLI reports and exits. Reaching the previous handler would turn
+    it into a KeyboardInterrupt traceback, and a Python-level handler is reset to the default
+    while the interpreter shuts down (a kill by SIGINT instead of the exit code 130). SIGINT is
+    therefore ignored from here on (the stop it asks for is under way); SIGTERM and SIGHUP exit
+    at once with 128 + signal.
+    """
+    return signal.SIG_IGN if sig == signal.SIGINT else _exit_at_once
 
 
 def launch_local(
