@@ -133,3 +133,20 @@ def test_printing_an_sbatch_script_leaves_the_runs_config_alone(tmp_path):
     assert look.returncode == 0, look.stderr
     assert "#SBATCH" in look.stdout and "left as it is" in look.stderr
     assert config.read_text() == before
+
+
+def test_ctrl_c_while_the_cli_imports_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The entry point catches a Ctrl-C that lands during the CLI's imports (about a second)."""
+    import types
+
+    from dynmo_hpc import __main__ as entry
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name: str) -> object:
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "dynmo_hpc.cli", Importing("dynmo_hpc.cli"))
+    assert entry.main() == 130
+    assert capsys.readouterr().err == "interrupted\n"

@@ -326,6 +326,21 @@ def test_the_writer_refuses_to_append_to_a_damaged_run_log(tmp_path: Path) -> No
         assert path.read_bytes() == content, case  # left as it was
 
 
+def _forked_children(pid: int) -> list[int]:
+    """Children of ``pid`` that are forks of it (same command line), not programs it ran: the
+    imports run ``uname -p`` in a child of their own, which must not pass for the reader."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    parent_cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    forks = []
+    for child in children:
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes() == parent_cmdline:
+                forks.append(int(child))
+        except FileNotFoundError:  # it exited meanwhile
+            pass
+    return forks
+
+
 def test_ctrl_c_stops_a_report_stuck_on_a_damaged_file(tmp_path: Path) -> None:
     """The parent waits on a pipe, so SIGINT gets through even while the HDF5 child loops."""
     path = _small_run_log(tmp_path / "run.h5")
@@ -344,10 +359,10 @@ def test_ctrl_c_stops_a_report_stuck_on_a_damaged_file(tmp_path: Path) -> None:
         # would make this command ignore it too until something installs a handler.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline and not children.read_text().strip():
+    while time.monotonic() < deadline and not _forked_children(proc.pid):
         time.sleep(0.1)  # until the reading child is forked: past the imports, into the read
+    assert _forked_children(proc.pid), "the reader child was never forked"
     time.sleep(0.5)
     assert proc.poll() is None, "the damaged file should keep the reader busy (SWMR retries)"
     t0 = time.monotonic()

@@ -13,12 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dynmo_hpc.checkpoint.model_files import load_model
-from dynmo_hpc.data.tokens import check_vocab, open_tokens
 from dynmo_hpc.errors import ConfigError
-from dynmo_hpc.model.evaluate import mean_loss, windows
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,6 +41,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``eval`` subcommand; 0 on success."""
+    # torch and the model load here, not at import: every other subcommand starts seconds sooner.
+    import torch
+
+    from dynmo_hpc.checkpoint.model_files import load_model
+    from dynmo_hpc.data.tokens import check_vocab, open_tokens
+    from dynmo_hpc.model.evaluate import mean_loss, windows
+
     torch.manual_seed(0)
     tokens = open_tokens(args.data, what="--data")
     batch = windows(tokens, args.seq_len, args.windows)
