@@ -2,7 +2,7 @@
 
 For each scheme it trains ``jobs/<scheme>.yaml`` on 2 local MPI ranks (``baseline``: the plain
 model of jobs/default.yaml; ``sparse_attention_dense``: the long-sequence model of
-jobs/sparse_attention.yaml with dense attention), reads the run log (``runs/<job>/run.h5``) and
+jobs/stress/sparse_attention.yaml with dense attention), reads the run log (``runs/<job>/run.h5``) and
 prints, at the first and the last load report,
 the cheapest and the dearest block (layers 1..N) by cost = forward_s + backward_s (thread CPU
 seconds per step, as the profiler measures them), the spread (dearest / cheapest), and the
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ["moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"]
 BASELINES = {
     "baseline": ("default.yaml", []),
-    # The long-sequence model of jobs/sparse_attention.yaml with dense attention.
+    # The long-sequence model of jobs/stress/sparse_attention.yaml with dense attention.
     "sparse_attention_dense": ("sparse_attention.yaml", ["schemes.sparse_attention=null"]),
 }
 

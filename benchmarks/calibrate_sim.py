@@ -84,10 +84,10 @@ RUNS: tuple[ShortRun, ...] = (
     calibration_run("plain_p2_m8_gpipe", "default", 2, 8, schedule="gpipe"),
     calibration_run("plain_p4_m4", "default", 4, 4),
     calibration_run("plain_p4_m8", "default", 4, 8),
-    calibration_run("mod_p2_m8", "mod", 2, 8),
-    calibration_run("mod_p4_m8", "mod", 4, 8),
-    calibration_run("moe_p2_m4", "moe", 2, 4),
-    calibration_run("moe_p4_m8", "moe", 4, 8),
+    calibration_run("mod_p2_m8", "stress/mod", 2, 8),
+    calibration_run("mod_p4_m8", "stress/mod", 4, 8),
+    calibration_run("moe_p2_m4", "stress/moe", 2, 4),
+    calibration_run("moe_p4_m8", "stress/moe", 4, 8),
     calibration_run("imbalanced_p2_m8", "imbalanced", 2, 8),
     # Dynamic policies: the trainer migrates at its load reports, the replay decides with the
     # same rule on the same costs and prices the move; measured steps include the migrations.

@@ -66,7 +66,7 @@ def run_job(scheme: str, runs_dir: Path) -> Path:
     path = runs_dir / scheme / "run.h5"
     if path.is_file():
         return path
-    job, extra = PLAIN_JOB if scheme == "plain" else (f"jobs/{scheme}.yaml", [])
+    job, extra = PLAIN_JOB if scheme == "plain" else (f"jobs/stress/{scheme}.yaml", [])
     sets = [*RUN_SETTINGS, *extra, f"job.out_dir={runs_dir}", f"job.name={scheme}"]
     cmd = [sys.executable, "-m", "dynmo_hpc", "run", job, "--overwrite"]
     for item in sets:

@@ -74,8 +74,8 @@ def test_gpu_dynamic_scheme_trains_through_migrations(tmp_path):
         tmp_path,
         *_gpu("pipeline.num_stages=2", "train.steps=8", "balance.algorithm=optimal"),
         "balance.force_moves=true",
-        job="jobs/early_exit.yaml"
-        if (ROOT / "jobs/early_exit.yaml").exists()
+        job="jobs/stress/early_exit.yaml"
+        if (ROOT / "jobs/stress/early_exit.yaml").exists()
         else "jobs/default.yaml",
     )
     result = run_job(cfg)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dynmo_hpc.config import PruningSection
+from dynmo_hpc.errors import ConfigError
 from dynmo_hpc.model.gpt import MLP, MicrobatchContext
 from dynmo_hpc.model.optim import build_optimizer
 from dynmo_hpc.model.schemes import build_layer, restore_layer
@@ -147,6 +148,45 @@ def test_sparsity_follows_the_schedule_and_differs_by_layer(tmp_path):
     # The matrices really shrank (the parameter count fell).
     widths = [slots[i].module.mlp.c_fc.out_features for i in range(1, 5)]
     assert sum(widths) == 256 - math.floor(0.6 * 256)
+
+
+def test_layer_scope_prunes_every_block_to_the_target_by_its_own_ranking(tmp_path):
+    """``scope: layer``: each block reaches the sparsity alone, whatever the other blocks hold."""
+    cfg = scheme_config(
+        tmp_path,
+        "pruning",
+        "schemes.pruning.scope=layer",
+        "schemes.pruning.end_step=4",
+        "schemes.pruning.interval_steps=2",
+        "schemes.pruning.final_sparsity=0.6",
+        "train.steps=5",
+        "pipeline.num_stages=1",
+    )
+    run = train_one_rank(cfg)
+    per_layer_width = math.floor(0.6 * 64 + 1e-9)
+    widths = [run.slots[i].module.mlp.c_fc.out_features for i in range(1, 5)]
+    assert widths == [64 - per_layer_width] * 4
+    final = [e for e in run.events if e["kind"] == "prune"][-1]
+    assert final["sparsity"][NEURON] == pytest.approx(per_layer_width / 64)
+    # Against the global ranking of the same weights: the blocks end at different widths there.
+    glob = scheme_config(
+        tmp_path / "g",
+        "pruning",
+        "schemes.pruning.end_step=4",
+        "schemes.pruning.interval_steps=2",
+        "schemes.pruning.final_sparsity=0.6",
+        "train.steps=5",
+        "pipeline.num_stages=1",
+    )
+    glob_slots = train_one_rank(glob).slots
+    glob_widths = [glob_slots[i].module.mlp.c_fc.out_features for i in range(1, 5)]
+    assert len(set(glob_widths)) > 1, glob_widths
+    assert sum(glob_widths) == 256 - math.floor(0.6 * 256)
+
+
+def test_an_unknown_pruning_scope_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"schemes.pruning.scope='model': choose one of global"):
+        scheme_config(tmp_path, "pruning", "schemes.pruning.scope=model")
 
 
 def test_pruned_layer_restores_from_its_state_dict(tmp_path):

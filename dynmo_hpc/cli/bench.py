@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 
 
 def scheme_jobs() -> dict[str, str]:
-    """Bench name -> job file in ``--jobs-dir``: ``plain`` (the model with no scheme, from
-    ``default.yaml``) and ``<name>.yaml`` for every registered scheme, in registration order."""
-    return {"plain": "default.yaml", **{name: f"{name}.yaml" for name in SCHEME_SECTIONS}}
+    """Bench name -> job file in ``--jobs-dir`` (``jobs/natural`` or ``jobs/stress``): ``plain``
+    (the set's model with no scheme, the control) and ``<name>.yaml`` for every registered
+    scheme, in registration order."""
+    return {"plain": "plain.yaml", **{name: f"{name}.yaml" for name in SCHEME_SECTIONS}}
 
 
 BENCH_SETS = [
@@ -119,7 +120,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         f"{DEFAULT_REPEATS['whole']} with --whole)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="results directory")
-    p.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="where the scheme jobs are")
+    p.add_argument(
+        "--jobs-dir",
+        type=Path,
+        default=Path("jobs/natural"),
+        help="the job set: jobs/natural (default: each scheme where its literature puts it) or "
+        "jobs/stress (built to show imbalance)",
+    )
     p.add_argument(
         "--loss-rtol",
         type=float,

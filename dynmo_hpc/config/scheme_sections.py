@@ -108,6 +108,10 @@ class MoESection:
         _check_block_layers("schemes.moe.layers", self.layers, model.num_blocks)
 
 
+PRUNING_SCOPES = ("global", "layer")
+"""``schemes.pruning.scope`` values: where the magnitude ranking runs."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PruningSection:
     final_sparsity: float = 0.75
@@ -131,8 +135,16 @@ class PruningSection:
     """Heads every pruned block keeps."""
     min_neurons: int = 1
     """Neurons every feed-forward (or expert) keeps."""
+    scope: str = "global"
+    """``global``: one magnitude ranking per kind across every eligible block (each block's
+    sparsity emerges from its weights); ``layer``: every block pruned to the target sparsity by
+    its own ranking."""
 
     def validate(self) -> None:
+        if self.scope not in PRUNING_SCOPES:
+            raise ConfigError(
+                f"schemes.pruning.scope={self.scope!r}: choose one of {', '.join(PRUNING_SCOPES)}"
+            )
         if not 0.0 <= self.initial_sparsity <= self.final_sparsity < 1.0:
             raise ConfigError(
                 f"schemes.pruning.initial_sparsity={self.initial_sparsity}, "

@@ -5,12 +5,14 @@ Schedule (Zhu & Gupta 2017, "To prune, or not to prune"): after optimizer step t
 ``s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n dt))^3``: fast pruning early, when weights are
 redundant, slowing as the final sparsity s_f approaches.
 
-Criterion: global magnitude. Every prunable structure of every eligible layer, on every rank, is
+Criterion (``scope: global``, the default): global magnitude. Every prunable structure of every eligible layer, on every rank, is
 scored by the L2 norm of its weights; structures of one kind have equally many weights, so the
 norm ranks them as per-weight magnitude would. All ranks allgather the scores and remove the
 globally smallest until the kind's sparsity reaches s_t; a layer whose weights are small loses
 more, so layers end at different sparsities. Neurons and heads are ranked separately (one global
 ranking per kind), because a head's and a neuron's weight norms have different scales.
+``scope: layer`` ranks within each block instead: every block reaches s_t itself (per-layer
+magnitude pruning, as Zhu & Gupta apply it), so the blocks shrink alike.
 
 Why structured: torch's sparse kernels do not beat dense matmul on CPU at the sparsities this
 schedule spends its time at, while the dense matmul of the shrunk matrix is faster than both at
@@ -82,8 +84,9 @@ def eligible_layers(cfg: JobConfig) -> list[int]:
     return list(range(1, cfg.model.num_blocks + 1))
 
 
-def initial_counts(cfg: JobConfig) -> dict[str, int]:
-    """Prunable structures of each kind at initialisation (the denominators of sparsity)."""
+def initial_counts(cfg: JobConfig, layers: Sequence[int] | None = None) -> dict[str, int]:
+    """Prunable structures of each kind at initialisation (the denominators of sparsity), over
+    ``layers`` (default: every eligible block)."""
     section = cfg.schemes.pruning
     assert section is not None
     counts = {NEURON: 0, HEAD: 0}
@@ -91,7 +94,7 @@ def initial_counts(cfg: JobConfig) -> dict[str, int]:
     moe_layers: set[int] = set()
     if moe is not None:
         moe_layers = set(moe.layers or range(1, cfg.model.num_blocks + 1))
-    for index in eligible_layers(cfg):
+    for index in eligible_layers(cfg) if layers is None else layers:
         d_ff = cfg.model.block_d_ff(index)
         if section.prune_neurons:
             if moe is not None and index in moe_layers:
@@ -398,9 +401,15 @@ def prune_step(
     ]
     every = [c for part in allgather(mine) for c in part]
     initial = initial_counts(cfg)
-    removals = choose_removals(
-        every, initial, target, {NEURON: section.min_neurons, HEAD: section.min_heads}
-    )
+    min_keep = {NEURON: section.min_neurons, HEAD: section.min_heads}
+    if section.scope == "global":
+        removals = choose_removals(every, initial, target, min_keep)
+    else:  # "layer": every block to the same sparsity, its own smallest structures first
+        removals = {}
+        for layer in sorted(eligible):
+            own = [c for c in every if c.layer == layer]
+            own_initial = initial_counts(cfg, [layer])
+            removals.update(choose_removals(own, own_initial, target, min_keep))
     for slot in slots:
         mine_removals = {g: idx for (layer, g), idx in removals.items() if layer == slot.index}
         if mine_removals:
