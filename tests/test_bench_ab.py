@@ -154,8 +154,11 @@ def test_ab_run_trains_what_a_static_run_trains_and_logs_its_arms(tmp_path: Path
 
 def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``dynmo-hpc bench --ab`` on the tiny imbalanced model: two A/B runs (uniform and the
-    parameter split, each against optimal), the table with its ramp and steady rows, the same
-    losses in both runs, the three files. Structure only: no speed is asserted."""
+    parameter split, each against optimal; megatron places the 4 blocks as uniform does, so it
+    reports uniform's runs), the headline against the best static baseline, the table with its
+    ramp and steady rows, the same losses in both runs, the three files. Structure only: no
+    speed is asserted."""
+    from dynmo_hpc.bench.ab_summary import HEADLINE_COLUMNS
     from dynmo_hpc.cli import main
     from tests.helpers.jobs import ROOT, TINY
 
@@ -163,45 +166,86 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     skip = ("train.steps", "balance.algorithm", "balance.interval")
     sets = [s for item in TINY if not item.startswith(skip) for s in ("--set", item)]
     sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
-    argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "uniform,parameters,optimal"]
+    argv = ["bench", "--ab", "--schemes", "plain"]
+    argv += ["--algorithms", "uniform,megatron,parameters,optimal"]
     argv += ["--repeats", "1", "--steps", "24", "--ab-period", "4", "--out", str(out)]
-    argv += ["--jobs-dir", str(ROOT / "jobs"), *sets]
+    argv += ["--jobs-dir", str(ROOT / "jobs" / "stress"), *sets]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     text = (out / "results.md").read_text()
     assert text in printed
+    assert "megatron = uniform (the same split: run once, reported under both names)" in text
     header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
     assert header in text
-    headline, detail = text.split("Every run, one line per phase:")
+    headline, detail = text.split("Every run, one line per phase")
+    assert "| " + " | ".join(HEADLINE_COLUMNS) + " | uniform tokens/s | megatron tokens/s |" in (
+        headline
+    )
     heads = [line for line in headline.splitlines() if line.startswith("| plain |")]
     # the first block of each arm (steps 0-7) is the warm-up, in neither phase
     assert [h.split("|")[2].strip() for h in heads] == ["ramp 8-11", "steady 12-23"]
-    assert all(len(h.split("|")) == 8 for h in heads)  # uniform, parameters, optimal, ceiling
+    for head in heads:
+        cells = [c.strip() for c in head.split("|")[1:-1]]
+        assert len(cells) == len(HEADLINE_COLUMNS) + 3  # a tokens/s column per static split
+        if cells[3].startswith("no static baseline"):
+            continue
+        best = cells[3].split(" = ")
+        assert set(best) in ({"uniform", "megatron"}, {"parameters"})
+        # the best baseline's tokens/s is the highest of the three, megatron's is uniform's
+        names = ("uniform", "megatron", "parameters")
+        speeds = {n: float(v) for n, v in zip(names, cells[-3:], strict=True) if v != "-"}
+        assert float(cells[4]) == max(speeds.values()) == speeds[best[0]]
+        assert speeds["megatron"] == speeds["uniform"]
+        assert cells[6].endswith(")") and "x (" in cells[6]
     rows = [line for line in detail.splitlines() if line.startswith("| plain |")]
-    # uniform and the parameter split, each against optimal: the ramp (8-11), the steady (12-23)
-    labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:4]]
-    uniform, parameters, optimal = (
-        algorithm_label(a) for a in ("uniform", "parameters", "optimal")
+    # uniform, megatron (uniform's runs) and the parameter split, each against optimal: the
+    # ramp (8-11), the steady (12-23)
+    labels = [tuple(cell.strip() for cell in row.split("|")[2:5]) for row in rows[:6]]
+    uniform, megatron, parameters, optimal = (
+        algorithm_label(a) for a in ("uniform", "megatron", "parameters", "optimal")
     )
+    megatron += " (the same split as uniform: its runs)"
     assert labels == [
         (uniform, optimal, "ramp 8-11"),
         (uniform, optimal, "steady 12-23"),
+        (megatron, optimal, "ramp 8-11"),
+        (megatron, optimal, "steady 12-23"),
         (parameters, optimal, "ramp 8-11"),
         (parameters, optimal, "steady 12-23"),
     ]
-    for row in rows[:4]:
+    assert [r.split("|")[5:] for r in rows[:2]] == [r.split("|")[5:] for r in rows[2:4]]
+    for row in rows[:6]:
         ceiling = row.split("|")[8].strip()
         assert ceiling == "-" or float(ceiling) >= 1.0
-    assert rows[4].endswith("| 0 |")  # the two runs trained the same model, bit for bit
+    assert rows[6].endswith("| 0 |")  # the two runs trained the same model, bit for bit
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import h5py
 
     with h5py.File(out / "results.h5", "r") as f:
+        assert sorted(f["runs"]) == [
+            "bench_ab_plain_optimal_vs_parameters_r0",
+            "bench_ab_plain_optimal_vs_uniform_r0",
+        ]
         run = f["runs/bench_ab_plain_optimal_vs_uniform_r0"]
         assert (
             run["ab_arm"][()].tolist() == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
         )
-        assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 2
+        assert [p.decode() for p in f["rows/phase"][()]] == ["ramp", "steady"] * 3
+        assert [p.decode() for p in f["rows/runs_of"][()]] == ["", "", "uniform", "uniform", "", ""]
+        best = f["best"]
+        assert [p.decode() for p in best["phase"][()]] == ["ramp", "steady"]
+        for k, head in enumerate(heads):
+            cells = [c.strip() for c in head.split("|")[1:-1]]
+            if cells[3].startswith("no static baseline"):
+                assert best["static"][k].decode() == ""
+                continue
+            assert (
+                " = ".join(
+                    [best["static"][k].decode(), *filter(None, best["tied"][k].decode().split(","))]
+                )
+                == cells[3]
+            )
+            assert f"{best['gain'][k]:.2f}x" == cells[6].split()[0]
     # benchmarks/ab_breakdown.py reads a run's log: both arms priced, B's partition checked
     import os
     import subprocess
@@ -227,7 +271,7 @@ def test_bench_ab_refuses_algorithms_without_a_static_split(
     from tests.helpers.jobs import ROOT
 
     argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "optimal,diffusion"]
-    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs")]
+    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs" / "stress")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "lacks a static baseline" in err and "HINT" in err
@@ -348,57 +392,6 @@ def test_overheads_measured_from_the_run_and_priced_per_stage() -> None:
     # tails: 1.0 - max(0.8, 0.8) = 0.2 and 1.1 - max(0.9, 0.9) = 0.2
     assert overheads.tail_s == pytest.approx(0.2) and overheads.poll_max_s == 1e-3
     assert report_overheads(marked, stage_times, costs, [0, 1, 3], (2, 3)) is None
-
-
-def test_headline_puts_each_balancer_against_the_reference_split() -> None:
-    """One line per scheme and phase: the reference split's tokens/s, another static split's
-    from its own runs, each balancer's tokens/s with its gain over the reference, its spread and
-    capture, and the ceiling over the reference."""
-    from dynmo_hpc.bench.ab import ArmComparison
-    from dynmo_hpc.bench.ab_summary import ABRow, render_ab_headline
-
-    def row(
-        static: str, balancer: str, static_s: float, dynmo_s: float, gains: list[float]
-    ) -> ABRow:
-        comparison = ArmComparison(
-            static_step_s=static_s,
-            dynmo_step_s=dynmo_s,
-            block_gains=gains,
-            kept=(8, 8),
-            total=(10, 10),
-        )
-        return ABRow(
-            scheme="pruning",
-            static=static,
-            balancer=balancer,
-            phase="steady",
-            steps=(25, 120),
-            repeats=1,
-            comparison=comparison,
-            ceiling=1.25,
-            tokens_per_step=1000,
-        )
-
-    rows = [
-        row("uniform", "optimal", 0.5, 0.4, [1.1, 1.2, 1.3]),
-        row("uniform", "diffusion", 0.5, 0.45, [1.0, 1.1, 1.2]),
-        row("parameters", "optimal", 0.25, 0.2, [1.2]),
-    ]
-    lines = render_ab_headline(rows)
-    header = [c.strip() for c in lines[2].split("|")[1:-1]]
-    assert header[2:] == [
-        algorithm_label("uniform"),
-        algorithm_label("parameters"),
-        algorithm_label("optimal"),
-        algorithm_label("diffusion"),
-        "ceiling over uniform",
-    ]
-    cells = [c.strip() for c in lines[4].split("|")[1:-1]]
-    assert cells[:2] == ["pruning", "steady 25-119"]
-    assert cells[2] == "2000" and cells[3] == "4000"  # arm A of each static split's runs
-    assert cells[4] == "2500: 1.20x (1.15-1.25), capture 0.80"
-    assert cells[5].startswith("2222: 1.10x (1.05-1.15), capture 0.40")
-    assert cells[6] == "1.25"
 
 
 def test_run_ceilings_price_each_report_with_its_intervals_overheads() -> None:

@@ -103,9 +103,10 @@ class Algorithm:
     """Validates the job's ``balance`` section (as a mapping of its fields) for this algorithm;
     raises ValueError saying what was expected, what was found, and a HINT."""
     benched: bool = True
-    """Whether ``dynmo-hpc bench`` runs it when ``--algorithms`` is not given (False for a
-    baseline that places the shipped scheme jobs' layers exactly as another one does, so its
-    runs would repeat that one's)."""
+    """Whether ``dynmo-hpc bench`` runs it when ``--algorithms`` is not given (False for an
+    entry kept for ``plan`` and the simulator only). Two static baselines that place a job's
+    layers alike cost one set of runs either way: the bench runs the split once and reports it
+    under both names (:func:`dynmo_hpc.bench.algorithms.shared_splits`)."""
 
 
 def _optimal_options(state: BalanceState) -> dict[str, Any]:
@@ -145,18 +146,17 @@ def _diffusion_path(costs_s: Sequence[float], state: BalanceState) -> Proposal:
 ALGORITHMS: dict[str, Algorithm] = {
     "uniform": Algorithm(
         function=uniform,
-        label="static uniform (equal layer counts; Megatron-LM with embedding and loss counted)",
+        label="Megatron-LM, embedding and loss counted as layers",
         rebalances=False,
     ),
     "megatron": Algorithm(
         function=megatron,
-        label="static Megatron-LM (even blocks)",
+        label="Megatron-LM (even blocks)",
         rebalances=False,
-        benched=False,  # the scheme jobs' blocks divide evenly: the same split as uniform
     ),
     "parameters": Algorithm(
         function=parameters,
-        label="static by parameters (DeepSpeed)",
+        label="DeepSpeed (balanced parameter counts)",
         rebalances=False,
         trainer_options=_parameters_options,
     ),

@@ -11,7 +11,7 @@ ran in a quiet spell.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dynmo_hpc.balance import INITIAL_ALGORITHM, STATIC, BalanceState, partition
@@ -48,6 +48,22 @@ def static_split(algorithm: str, num_stages: int, layer_params: Sequence[int]) -
         layer_bytes=[0] * len(layer_params),
     )
     return partition(costs, num_stages, algorithm, **entry.trainer_options(state))
+
+
+def shared_splits(splits: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """Static baseline -> the baseline whose runs it reports: the first one, in ``splits``'
+    order, with the same split (itself when none before it has). Two names with one split
+    train the same job, so the bench runs it once and reports it under both.
+
+    Example: ``shared_splits({"uniform": [0, 9, 18], "megatron": [0, 9, 18],
+    "parameters": [0, 8, 18]}) == {"uniform": "uniform", "megatron": "uniform",
+    "parameters": "parameters"}``.
+    """
+    first: dict[tuple[int, ...], str] = {}
+    out = {}
+    for name, parts in splits.items():
+        out[name] = first.setdefault(tuple(int(p) for p in parts), name)
+    return out
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from dynmo_hpc.atomic_io import atomic_write_bytes
 from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures
+from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures, best_baselines
 from dynmo_hpc.bench.algorithms import PlannedRun
 from dynmo_hpc.bench.measure import RunFigures
 from dynmo_hpc.bench.summary import AlgorithmRow, algorithm_label
@@ -120,7 +120,10 @@ def write_ab_results_h5(
     attrs: Mapping[str, str | int | float],
 ) -> None:
     """``/runs/<name>``: each A/B run's steps (step, arm, step time, wall/CPU ratio, kept) and
-    losses; ``/rows``: one entry per table row (gain, its spread, ceiling, capture, kept)."""
+    losses; ``/rows``: one entry per table row (gain, its spread, ceiling, capture, kept;
+    ``runs_of``: the static baseline whose runs a shared split reports, else empty); ``/best``:
+    one entry per headline line, the balancer against the best static baseline
+    (:func:`_best_h5`)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -133,6 +136,7 @@ def write_ab_results_h5(
                     group.create_dataset(column, data=fig.marked[column].to_numpy())
                 group.create_dataset("loss", data=np.array(fig.losses, dtype=np.float64))
             _ab_rows_h5(f.create_group("rows"), rows)
+            _best_h5(f.create_group("best"), rows)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -141,7 +145,7 @@ def write_ab_results_h5(
 
 def _ab_rows_h5(table: h5py.Group, rows: Sequence[ABRow]) -> None:
     text = h5py.string_dtype()
-    for column in ("scheme", "static", "balancer", "phase"):
+    for column in ("scheme", "static", "balancer", "phase", "runs_of"):
         table.create_dataset(column, data=[getattr(r, column) for r in rows], dtype=text)
     nan = float("nan")
     columns: dict[str, list[float]] = {
@@ -168,10 +172,61 @@ def _ab_rows_h5(table: h5py.Group, rows: Sequence[ABRow]) -> None:
         table.create_dataset(key, data=np.array(values, dtype=np.float64))
 
 
+def _best_h5(table: h5py.Group, rows: Sequence[ABRow]) -> None:
+    """Per (scheme, phase, balancer), as the headline: ``scheme``, ``phase``, ``balancer``,
+    ``first_step`` and ``end_step`` (the phase's steps), ``static`` (the best static baseline;
+    empty where none has a comparison), ``tied`` (the baselines tied with it, comma-separated),
+    ``static_tokens_per_s`` and ``dynmo_tokens_per_s`` (its A/B runs' arms), ``gain``,
+    ``gain_q25``, ``gain_q75``, ``ceiling`` and ``capture`` over it (NaN where unknown), and
+    ``tokens_per_s/<static baseline>``: each static baseline's arm A in its own runs against
+    the balancer (NaN: none in that phase)."""
+    text = h5py.string_dtype()
+    best = best_baselines(rows)
+    keys = list(best)
+    for k, column in enumerate(("scheme", "phase")):
+        table.create_dataset(column, data=[key[k] for key in keys], dtype=text)
+    table.create_dataset("balancer", data=[key[3] for key in keys], dtype=text)
+    table.create_dataset("first_step", data=np.array([key[2][0] for key in keys], dtype=np.int64))
+    table.create_dataset("end_step", data=np.array([key[2][1] for key in keys], dtype=np.int64))
+    chosen = [best[key] for key in keys]
+    table.create_dataset("static", data=[b.static if b else "" for b in chosen], dtype=text)
+    table.create_dataset("tied", data=[",".join(b.tied) if b else "" for b in chosen], dtype=text)
+    nan = float("nan")
+
+    def figure(value: float | None) -> float:
+        return nan if value is None else float(value)
+
+    columns: dict[str, list[float]] = {
+        "static_tokens_per_s": [], "dynmo_tokens_per_s": [], "gain": [], "gain_q25": [],
+        "gain_q75": [], "ceiling": [], "capture": [],
+    }  # fmt: skip
+    for b in chosen:
+        c = b.row.comparison if b else None
+        low, high = c.spread if c else (nan, nan)
+        values = {
+            "static_tokens_per_s": figure(b.row.static_tokens_per_s if b else None),
+            "dynmo_tokens_per_s": figure(b.row.dynmo_tokens_per_s if b else None),
+            "gain": c.gain if c else nan,
+            "gain_q25": low,
+            "gain_q75": high,
+            "ceiling": figure(b.row.ceiling if b else None),
+            "capture": figure(b.row.capture if b else None),
+        }
+        for key, value in values.items():
+            columns[key].append(value)
+    for key, values in columns.items():
+        table.create_dataset(key, data=np.array(values, dtype=np.float64))
+    speeds = table.create_group("tokens_per_s")
+    for static in dict.fromkeys(r.static for r in rows):
+        values = [figure(b.static_tokens_per_s.get(static)) if b else nan for b in chosen]
+        speeds.create_dataset(static, data=np.array(values, dtype=np.float64))
+
+
 def write_ab_chart(path: Path, rows: Sequence[ABRow]) -> None:
     """Steady-state gain per scheme, one bar per (static split, balancer), the IQR as error
-    bars and the ceiling as a tick above each bar."""
-    steady = [r for r in rows if r.phase == "steady"]
+    bars and the ceiling as a tick above each bar; a static baseline that reports another's
+    runs (the same split) has no bars of its own."""
+    steady = [r for r in rows if r.phase == "steady" and not r.runs_of]  # no shared split twice
     schemes = list(dict.fromkeys(r.scheme for r in steady))
     pairs = list(dict.fromkeys((r.static, r.balancer) for r in steady))
     figure = Figure(figsize=(max(6.0, 1.4 * len(schemes) + 2.0), 4.0))

@@ -2,8 +2,10 @@
 
 Why a subcommand: "is DynMo faster than what I run now?" deserves one command that answers it on
 the user's own machine, with the spread that says how far to trust the answer. For the plain model
-and each scheme job it compares the registry's static baselines (uniform, by parameters) with
-DynMo's balancers (optimal, diffusion). ``--ab`` (the default) runs one job per static split and
+and each scheme job it compares the registry's static baselines (the two Megatron-LM splits,
+``uniform`` and ``megatron``, and DeepSpeed's ``parameters``) with DynMo's balancers (optimal,
+diffusion); two baselines with the same split for a job run once and are reported under both
+names. ``--ab`` (the default) runs one job per static split and
 balancer whose partition alternates between the two every few steps, so both arms share the same
 minutes of the machine (:mod:`dynmo_hpc.cli.bench_ab`); ``--whole`` trains the same job once per
 algorithm and repeat, interleaved (:func:`~dynmo_hpc.bench.algorithms.run_order`). Either way it
@@ -31,7 +33,13 @@ from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
 from dynmo_hpc.balance.registry import bench_algorithms, lookup
 from dynmo_hpc.bench.ab import NOISE_FACTOR, mark_steps, phase_ceiling, run_ceilings
-from dynmo_hpc.bench.algorithms import PlannedRun, algorithm_overrides, run_order, static_split
+from dynmo_hpc.bench.algorithms import (
+    PlannedRun,
+    algorithm_overrides,
+    run_order,
+    shared_splits,
+    static_split,
+)
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
 from dynmo_hpc.bench.summary import (
@@ -43,7 +51,7 @@ from dynmo_hpc.bench.summary import (
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.cli.bench_ab import ab_order, measured_times, run_ab, train_run
+from dynmo_hpc.cli.bench_ab import ab_order, measured_times, run_ab, scheme_splits, train_run
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -236,16 +244,26 @@ def _steady_ceilings(runlog: Any, cfg: JobConfig, splits: dict[str, list[int]]) 
     return out
 
 
-def _setting(configs: dict[str, JobConfig], args: argparse.Namespace) -> str:
+def _setting(
+    configs: dict[str, JobConfig],
+    args: argparse.Namespace,
+    runs_of: dict[str, dict[str, str]],
+) -> str:
     lines = [
         f"{args.repeats} repeats; per scheme (job file, blocks, stages, microbatches, steps):",
         "",
     ]
     for scheme, cfg in configs.items():
+        shared = [f"{n} = {src}" for n, src in runs_of.get(scheme, {}).items() if n != src]
         lines.append(
             f"- {scheme}: {scheme_jobs()[scheme]}, {cfg.model.num_blocks} blocks, "
             f"{cfg.pipeline.num_stages} stages, {cfg.train.num_microbatches} microbatches, "
             f"{cfg.train.steps} steps, balance interval {cfg.balance.interval}"
+            + (
+                f"; {', '.join(shared)} (the same split: run once, reported under both names)"
+                if shared
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -260,21 +278,28 @@ def _command(args: argparse.Namespace) -> str:
         words += ["--ab-period", str(args.ab_period)]
     if args.mode == "ab" and args.noise_factor != NOISE_FACTOR:
         words += ["--noise-factor", str(args.noise_factor)]
-    words += ["--out", str(args.out)]
+    words += ["--out", str(args.out), "--jobs-dir", str(args.jobs_dir)]
     for item in args.overrides:
         words += ["--set", item]
     return shlex.join(words)
 
 
 def _write_results(
-    args: argparse.Namespace, base: dict[str, JobConfig], done: list[tuple[PlannedRun, RunFigures]]
+    args: argparse.Namespace,
+    base: dict[str, JobConfig],
+    done: list[tuple[PlannedRun, RunFigures]],
+    runs_of: dict[str, dict[str, str]],
+    num_runs: int,
 ) -> tuple[str, DynmoError | None]:
     """Summarize the runs done so far and (re)write the three files; returns the table text and
-    the first loss mismatch, if any (compared over the algorithms each repeat has finished)."""
+    the first loss mismatch, if any (compared over the algorithms each repeat has finished).
+    ``runs_of``: per scheme, static baseline -> the one whose runs it reports (a shared split);
+    ``num_runs``: the runs the bench makes in all."""
     rows: dict[str, dict[str, AlgorithmRow]] = {}
     for scheme in args.schemes:
         for algorithm in args.algorithms:
-            runs = [f for p, f in done if p.scheme == scheme and p.algorithm == algorithm]
+            source = runs_of.get(scheme, {}).get(algorithm, algorithm)
+            runs = [f for p, f in done if p.scheme == scheme and p.algorithm == source]
             if runs:
                 rows.setdefault(scheme, {})[algorithm] = summarize(scheme, algorithm, runs)
     differences: dict[str, float] = {}
@@ -292,8 +317,8 @@ def _write_results(
             differences[scheme] = max(differences.get(scheme, 0.0), worst)
     repeats_done = min((row.repeats for r in rows.values() for row in r.values()), default=0)
     command = _command(args)
-    setting = _setting(base, args)
-    if len(done) < args.repeats * len(args.schemes) * len(args.algorithms):
+    setting = _setting(base, args, runs_of)
+    if len(done) < num_runs:
         setting += f"\n\nPartial: {len(done)} runs done; at least {repeats_done} repeat(s) each."
     text = render_markdown(rows, differences, command=command, setting=setting)
     atomic_write_text(args.out / "results.md", text)
@@ -327,9 +352,21 @@ def run(args: argparse.Namespace) -> int:
         return run_ab(
             args, base, params, _command(args), lambda scheme, sets: _config(args, scheme, sets)
         )
-    order = run_order(args.schemes, args.algorithms, args.repeats)
+    runs_of = {
+        scheme: shared_splits(
+            scheme_splits(args.algorithms, cfg.pipeline.num_stages, params[scheme])
+        )
+        for scheme, cfg in base.items()
+    }
+    # A static baseline with the same split as an earlier one reports that one's runs.
+    order = [
+        p
+        for p in run_order(args.schemes, args.algorithms, args.repeats)
+        if runs_of[p.scheme].get(p.algorithm, p.algorithm) == p.algorithm
+    ]
     log.info(
-        "bench: %d runs (%d schemes x %d algorithms x %d repeats) into %s",
+        "bench: %d runs (%d schemes, %d algorithms, %d repeats; a split shared by two static "
+        "baselines runs once) into %s",
         len(order),
         len(args.schemes),
         len(args.algorithms),
@@ -366,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
             eta_s,
         )
         # After every run, so an interrupted bench leaves the results of the runs it finished.
-        text, mismatch = _write_results(args, base, done)
+        text, mismatch = _write_results(args, base, done, runs_of, len(order))
 
     sys.stdout.write(text)
     print(f"wrote {args.out / 'results.md'}, results.h5, results.png")

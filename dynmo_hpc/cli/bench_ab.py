@@ -8,6 +8,13 @@ the balancer's plan first in odd ones (``balance.ab_lead``). The runs go in the 
 order of the whole-run bench (pairs rotated from one repeat to the next). The comparison, the
 ceiling and the capture come from each run's log (:mod:`dynmo_hpc.bench.ab`,
 :mod:`dynmo_hpc.bench.ceiling`).
+
+Two static baselines with the same split for a scheme's job (``megatron`` and ``uniform`` when
+the blocks divide evenly) would train the same runs twice: the first in ``--algorithms`` order
+runs, and its rows are reported under the other's name as well, marked as shared
+(:func:`~dynmo_hpc.bench.algorithms.shared_splits`). The headline reports each balancer against
+the best static baseline of each scheme and phase
+(:func:`~dynmo_hpc.bench.ab_summary.best_baselines`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,7 @@ from dynmo_hpc.balance import uniform
 from dynmo_hpc.balance.registry import lookup
 from dynmo_hpc.bench.ab import RunTimes, mark_steps, parts_at_reports, run_ceilings
 from dynmo_hpc.bench.ab_summary import ABRow, ABRunFigures, ab_rows, render_ab_markdown
-from dynmo_hpc.bench.algorithms import algorithm_overrides
+from dynmo_hpc.bench.algorithms import algorithm_overrides, shared_splits, static_split
 from dynmo_hpc.bench.output import write_ab_chart, write_ab_results_h5
 from dynmo_hpc.bench.summary import BenchError, check_same_losses, max_loss_difference
 from dynmo_hpc.config import JobConfig
@@ -56,9 +63,17 @@ class ABPlanned:
         return ARM_NAMES[self.repeat % 2]
 
 
-def ab_order(schemes: list[str], algorithms: list[str], repeats: int) -> list[ABPlanned]:
+def ab_order(
+    schemes: list[str],
+    algorithms: list[str],
+    repeats: int,
+    runs_of: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[ABPlanned]:
     """Every (static baseline, balancer) pair of ``algorithms`` per scheme and repeat, the pairs
-    rotated from one repeat to the next; ValueError when ``algorithms`` lacks either kind."""
+    rotated from one repeat to the next; ValueError when ``algorithms`` lacks either kind.
+    ``runs_of``: per scheme, static baseline -> the one whose runs it reports
+    (:func:`~dynmo_hpc.bench.algorithms.shared_splits`); a baseline reported from another's runs
+    gets none of its own."""
     statics = [a for a in algorithms if not lookup(a).rebalances]
     balancers = [a for a in algorithms if lookup(a).rebalances]
     if not statics or not balancers:
@@ -66,14 +81,27 @@ def ab_order(schemes: list[str], algorithms: list[str], repeats: int) -> list[AB
             f"--ab compares a static split with a balancer, but --algorithms "
             f"{','.join(algorithms)} lacks {'a static baseline' if not statics else 'a balancer'}"
         )
-    pairs = [(s, d) for s in statics for d in balancers]
+    shared = runs_of or {}
     order = []
     for repeat in range(repeats):
-        shift = repeat % len(pairs)
-        rotated = [*pairs[shift:], *pairs[:shift]]
         for scheme in schemes:
+            own = [s for s in statics if shared.get(scheme, {}).get(s, s) == s]
+            pairs = [(s, d) for s in own for d in balancers]
+            shift = repeat % len(pairs)
+            rotated = [*pairs[shift:], *pairs[:shift]]
             order += [ABPlanned(repeat, scheme, s, d) for s, d in rotated]
     return order
+
+
+def scheme_splits(
+    algorithms: list[str], num_stages: int, layer_params: list[int]
+) -> dict[str, list[int]]:
+    """Per static baseline in ``algorithms`` (their order): its split of the scheme's job."""
+    return {
+        name: static_split(name, num_stages, layer_params)
+        for name in algorithms
+        if not lookup(name).rebalances
+    }
 
 
 def static_parts(cfg: JobConfig) -> list[int]:
@@ -159,13 +187,26 @@ def _train(args: argparse.Namespace, planned: ABPlanned, cfg: JobConfig) -> ABRu
 
 
 def _summarize(
-    args: argparse.Namespace, done: list[tuple[ABPlanned, ABRunFigures]]
+    args: argparse.Namespace,
+    done: list[tuple[ABPlanned, ABRunFigures]],
+    runs_of: Mapping[str, Mapping[str, str]],
 ) -> tuple[list[ABRow], dict[str, float], DynmoError | None]:
+    """Rows per scheme, static baseline and balancer in ``--algorithms`` order (a baseline that
+    shares another's split reports that one's runs), the largest loss difference per scheme,
+    and the first loss mismatch."""
     rows: list[ABRow] = []
-    keys = list(dict.fromkeys((p.scheme, p.static, p.balancer) for p, _ in done))
-    for scheme, s, d in keys:
-        runs = [f for p, f in done if (p.scheme, p.static, p.balancer) == (scheme, s, d)]
-        rows += ab_rows(scheme, s, d, runs)
+    statics = [a for a in args.algorithms if not lookup(a).rebalances]
+    balancers = [a for a in args.algorithms if lookup(a).rebalances]
+    for scheme in args.schemes:
+        for s in statics:
+            source = runs_of.get(scheme, {}).get(s, s)
+            for d in balancers:
+                runs = [
+                    f for p, f in done if (p.scheme, p.static, p.balancer) == (scheme, source, d)
+                ]
+                if runs:
+                    shared = "" if source == s else source
+                    rows += ab_rows(scheme, s, d, runs, runs_of=shared)
     differences: dict[str, float] = {}
     mismatch: DynmoError | None = None
     for scheme in dict.fromkeys(p.scheme for p, _ in done):
@@ -188,8 +229,9 @@ def _write(
     done: list[tuple[ABPlanned, ABRunFigures]],
     command: str,
     setting: str,
+    runs_of: Mapping[str, Mapping[str, str]],
 ) -> tuple[str, DynmoError | None]:
-    rows, differences, mismatch = _summarize(args, done)
+    rows, differences, mismatch = _summarize(args, done, runs_of)
     text = render_ab_markdown(
         rows, differences, command=command, setting=setting, noise_factor=args.noise_factor
     )
@@ -203,15 +245,29 @@ def _write(
     return text, mismatch
 
 
-def ab_setting(args: argparse.Namespace, base: dict[str, JobConfig]) -> str:
-    """The results' header: per scheme, the job and the A/B period and steady-state step."""
+def ab_setting(
+    args: argparse.Namespace,
+    base: dict[str, JobConfig],
+    splits: Mapping[str, Mapping[str, list[int]]],
+    runs_of: Mapping[str, Mapping[str, str]],
+) -> str:
+    """The results' header: per scheme, the job, the A/B period and steady-state step, and each
+    static baseline's split (one shared with an earlier baseline said so)."""
     lines = [f"{args.repeats} repeats, A/B within one run; per scheme:", ""]
     for scheme, cfg in base.items():
+        placed = []
+        for name, parts in splits.get(scheme, {}).items():
+            source = runs_of.get(scheme, {}).get(name, name)
+            placed.append(
+                f"{name} {parts}"
+                if source == name
+                else f"{name} = {source} (the same split: run once, reported under both names)"
+            )
         lines.append(
             f"- {scheme}: {cfg.model.num_blocks} blocks, {cfg.pipeline.num_stages} stages, "
             f"{cfg.train.num_microbatches} microbatches, {cfg.train.steps} steps, balance "
             f"interval {cfg.balance.interval}, A/B period {_period(args, cfg)} steps, steady "
-            f"state from step {cfg.train.steady_from_step()}"
+            f"state from step {cfg.train.steady_from_step()}; static splits: {', '.join(placed)}"
         )
     return "\n".join(lines)
 
@@ -225,9 +281,25 @@ def run_ab(
 ) -> int:
     """Every A/B run, the results rewritten after each; the table on stdout at the end.
     ``make_config(scheme, overrides)``: the scheme's bench config with ``overrides``."""
-    order = ab_order(args.schemes, args.algorithms, args.repeats)
+    splits = {
+        scheme: scheme_splits(args.algorithms, cfg.pipeline.num_stages, params[scheme])
+        for scheme, cfg in base.items()
+    }
+    runs_of = {scheme: shared_splits(by_name) for scheme, by_name in splits.items()}
+    for scheme, sources in runs_of.items():
+        for name, source in sources.items():
+            if source != name:
+                log.info(
+                    "bench --ab: %s: %s places the layers as %s does (%s): its A/B runs are %s's",
+                    scheme,
+                    name,
+                    source,
+                    splits[scheme][name],
+                    source,
+                )
+    order = ab_order(args.schemes, args.algorithms, args.repeats, runs_of)
     log.info("bench --ab: %d runs into %s", len(order), args.out)
-    setting = ab_setting(args, base)
+    setting = ab_setting(args, base, splits, runs_of)
     done: list[tuple[ABPlanned, ABRunFigures]] = []
     text, mismatch = "", None
     for k, planned in enumerate(order):
@@ -250,7 +322,7 @@ def run_ab(
             figures.num_migrations,
             figures.wall_s,
         )
-        text, mismatch = _write(args, done, command, setting)
+        text, mismatch = _write(args, done, command, setting, runs_of)
     sys.stdout.write(text)
     print(f"wrote {args.out / 'results.md'}, results.h5, results.png")
     if mismatch is not None:
