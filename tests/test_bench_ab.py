@@ -165,7 +165,7 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
     argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "uniform,parameters,optimal"]
     argv += ["--repeats", "1", "--steps", "24", "--ab-period", "4", "--out", str(out)]
-    argv += ["--jobs-dir", str(ROOT / "jobs"), *sets]
+    argv += ["--jobs-dir", str(ROOT / "jobs" / "stress"), *sets]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     text = (out / "results.md").read_text()
@@ -227,7 +227,7 @@ def test_bench_ab_refuses_algorithms_without_a_static_split(
     from tests.helpers.jobs import ROOT
 
     argv = ["bench", "--ab", "--schemes", "plain", "--algorithms", "optimal,diffusion"]
-    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs")]
+    argv += ["--out", str(tmp_path), "--jobs-dir", str(ROOT / "jobs" / "stress")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "lacks a static baseline" in err and "HINT" in err
