@@ -170,7 +170,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             for s in ("--set", item)]  # fmt: skip
     argv = ["bench", "--whole", "--schemes", "plain", "--algorithms", "uniform,optimal"]
     argv += ["--repeats", "1"]
-    argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs"), *sets]
+    argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs" / "stress"), *sets]
     assert main(argv) == 0
     text = (out / "results.md").read_text()
     assert f"| plain | {algorithm_label('uniform')} |" in text
@@ -198,7 +198,7 @@ def test_bench_refuses_a_missing_jobs_dir(
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert "default.yaml: no such job file" in err and "--jobs-dir" in err
+    assert "plain.yaml: no such job file" in err and "--jobs-dir" in err
 
 
 def test_steady_table_has_ceiling_and_capture() -> None:

@@ -21,7 +21,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_every_shipped_job_loads():
-    jobs = sorted((ROOT / "jobs").glob("*.yaml"))
+    jobs = sorted((ROOT / "jobs").rglob("*.yaml"))
+    assert {j.parent.name for j in jobs} == {"jobs", "natural", "stress"}
     assert jobs
     for job in jobs:
         cfg = config_mod.load(job)

@@ -185,6 +185,6 @@ def test_a_given_tokenizer_sets_the_vocabulary(
 
 
 def test_every_shipped_job_switches_to_prepared_data_with_one_key(prepared: Path) -> None:
-    for job in sorted((ROOT / "jobs").glob("*.yaml")):
+    for job in sorted((ROOT / "jobs").rglob("*.yaml")):
         cfg = config_mod.load(job, [f"data.path={prepared}"])
         assert cfg.model.vocab_size == 700, job.name

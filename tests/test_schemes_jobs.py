@@ -1,4 +1,7 @@
-"""The shipped scheme jobs show each scheme's steady state at 2 stages (docs/schemes.md).
+"""The stress scheme jobs (``jobs/stress/``) show each scheme's steady state at 2 stages.
+
+They are built to unbalance the uniform split (docs/schemes.md); the natural set, each scheme
+where its literature puts it, is checked in ``tests/test_natural_jobs.py``.
 
 DynMo's gain over the static uniform split only exists where the uniform split is out of
 balance for most of a run and where the pipeline's fill and drain leave room for it. These
@@ -23,7 +26,7 @@ SCHEME_JOBS = [name for name in scheme_jobs() if name != "plain"]
 
 
 def _load(name: str) -> config_mod.JobConfig:
-    return config_mod.load(ROOT / "jobs" / scheme_jobs()[name])
+    return config_mod.load(ROOT / "jobs" / "stress" / scheme_jobs()[name])
 
 
 def _blocks_per_stage(cfg: config_mod.JobConfig, blocks: list[int]) -> list[int]:

@@ -162,5 +162,6 @@ def test_every_builtin_scheme_has_a_job_and_test_overrides():
     assert set(SCHEME_OVERRIDES) == set(names)
     assert list(scheme_jobs()) == ["plain", *names]
     for name, job in scheme_jobs().items():
-        cfg = config_mod.load(ROOT / "jobs" / job)
-        assert cfg.schemes.enabled == ([] if name == "plain" else [name])
+        for job_set in ("natural", "stress"):
+            cfg = config_mod.load(ROOT / "jobs" / job_set / job)
+            assert cfg.schemes.enabled == ([] if name == "plain" else [name])

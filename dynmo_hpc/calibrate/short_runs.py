@@ -27,7 +27,8 @@ class ShortRun:
     name: str
     """The run's name: its directory under the runs directory (``job.name``)."""
     job: str
-    """The job file's path under ``jobs/`` without ``.yaml`` (``"imbalanced"``, ``"stress/pruning"``)."""
+    """The job file's path under ``jobs/`` without ``.yaml`` (``"imbalanced"``,
+    ``"stress/pruning"``)."""
     num_stages: int
     """``pipeline.num_stages``."""
     num_microbatches: int

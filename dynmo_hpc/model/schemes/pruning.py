@@ -5,12 +5,13 @@ Schedule (Zhu & Gupta 2017, "To prune, or not to prune"): after optimizer step t
 ``s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n dt))^3``: fast pruning early, when weights are
 redundant, slowing as the final sparsity s_f approaches.
 
-Criterion (``scope: global``, the default): global magnitude. Every prunable structure of every eligible layer, on every rank, is
-scored by the L2 norm of its weights; structures of one kind have equally many weights, so the
-norm ranks them as per-weight magnitude would. All ranks allgather the scores and remove the
-globally smallest until the kind's sparsity reaches s_t; a layer whose weights are small loses
-more, so layers end at different sparsities. Neurons and heads are ranked separately (one global
-ranking per kind), because a head's and a neuron's weight norms have different scales.
+Criterion (``scope: global``, the default): global magnitude. Every prunable structure of every
+eligible layer, on every rank, is scored by the L2 norm of its weights; structures of one kind
+have equally many weights, so the norm ranks them as per-weight magnitude would. All ranks
+allgather the scores and remove the globally smallest until the kind's sparsity reaches s_t; a
+layer whose weights are small loses more, so layers end at different sparsities. Neurons and
+heads are ranked separately (one global ranking per kind), because a head's and a neuron's
+weight norms have different scales.
 ``scope: layer`` ranks within each block instead: every block reaches s_t itself (per-layer
 magnitude pruning, as Zhu & Gupta apply it), so the blocks shrink alike.
 
