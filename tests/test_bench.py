@@ -164,11 +164,13 @@ def test_speedup_spread_is_pessimistic_and_optimistic() -> None:
 
 
 def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Two algorithms, one repeat, 3 steps of the tiny model: the three files, same losses."""
+    """Two algorithms, one repeat, 3 steps of the tiny model: the three files, same losses.
+    ``megatron`` places the 4 blocks as ``uniform`` does: it reports uniform's run, no run of
+    its own."""
     out = tmp_path / "bench"
     sets = [s for item in TINY if not item.startswith(("train.steps", "balance.algorithm"))
             for s in ("--set", item)]  # fmt: skip
-    argv = ["bench", "--whole", "--schemes", "plain", "--algorithms", "uniform,optimal"]
+    argv = ["bench", "--whole", "--schemes", "plain", "--algorithms", "uniform,megatron,optimal"]
     argv += ["--repeats", "1"]
     argv += ["--steps", "3", "--out", str(out), "--jobs-dir", str(ROOT / "jobs" / "stress"), *sets]
     assert main(argv) == 0
@@ -177,7 +179,13 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     if "megatron" not in ALGORITHMS:
         assert algorithm_label("uniform") == "static uniform (Megatron-style)"
     assert "| plain | DynMo optimal |" in text
-    assert "optimal / uniform" in text
+    assert "megatron = uniform (the same split: run once, reported under both names)" in text
+    uniform_row, megatron_row = (
+        next(line for line in text.splitlines() if line.startswith(f"| plain | {label} |"))
+        for label in (algorithm_label("uniform"), algorithm_label("megatron"))
+    )
+    assert uniform_row.split("|")[3:] == megatron_row.split("|")[3:]
+    assert "optimal / uniform" in text and "optimal / megatron" in text
     assert "| scheme | balancer | static split | ramp speedup | steady speedup | ceiling |" in text
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with h5py.File(out / "results.h5", "r") as f:

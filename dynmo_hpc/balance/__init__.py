@@ -7,9 +7,11 @@ milliseconds against brute force, and lets ``dynmo-hpc plan`` answer "what would
 Entry point: :func:`partition` with one of :data:`ALGORITHMS` (:mod:`.registry`, the one place
 an algorithm is declared: its function, options, trainer inputs and config check):
 
-- ``"uniform"``: equal counts of all layers (the trainer's default split); ignores costs.
-- ``"megatron"``: Megatron-LM's placement: blocks split evenly, the embedding on the first stage
-  and the head on the last, the edge stages taking fewer blocks when they do not divide.
+- ``"uniform"``: equal counts of all layers (the trainer's default split; Megatron-LM with the
+  embedding and the loss counted as layers); ignores costs.
+- ``"megatron"``: Megatron-LM's default placement: blocks split evenly, the embedding on the
+  first stage and the head on the last, the edge stages taking fewer blocks when they do not
+  divide.
 - ``"parameters"``: min-max over per-layer parameter counts given as ``params=`` (DeepSpeed's
   default); ``costs`` stays in seconds and does not affect the split.
 - ``"optimal"``: the exact minimum of the heaviest stage's cost (chains-on-chains), optionally

@@ -191,7 +191,7 @@ def _config(args: argparse.Namespace, scheme: str, extra: list[str]) -> JobConfi
     if not job.is_file():
         raise BenchError(
             f"{job}: no such job file; HINT: run from the repository root, or pass --jobs-dir "
-            "DIR holding default.yaml and the scheme jobs"
+            "DIR holding plain.yaml and the scheme jobs (jobs/natural or jobs/stress)"
         )
     sets = [*BENCH_SETS, f"job.out_dir={args.out / 'runs'}"]
     if args.steps is not None:
