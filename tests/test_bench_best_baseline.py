@@ -8,6 +8,10 @@ balancer's gain over it from those same runs. Synthetic figures only: no trainin
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+import h5py
 import pytest
 
 from dynmo_hpc.bench.ab import ArmComparison
@@ -19,6 +23,7 @@ from dynmo_hpc.bench.ab_summary import (
     render_ab_headline,
 )
 from dynmo_hpc.bench.algorithms import shared_splits, static_split
+from dynmo_hpc.bench.output import write_ab_results_h5
 from dynmo_hpc.bench.summary import algorithm_label
 from dynmo_hpc.cli.bench_ab import ab_order
 
@@ -174,3 +179,34 @@ def test_headline_names_the_best_baseline_and_reports_the_gain_over_it() -> None
     assert f"megatron = {algorithm_label('megatron')}" in legend
     assert algorithm_label("megatron") == "Megatron-LM (even blocks)"
     assert algorithm_label("uniform") == "Megatron-LM, embedding and loss counted as layers"
+
+
+def test_results_h5_carries_the_best_baseline_per_headline_line(tmp_path: Path) -> None:
+    rows = [
+        _row("uniform", 0.5, ceiling=1.6),
+        _row("megatron", 0.5, ceiling=1.6, runs_of="uniform"),
+        _row("parameters", 0.4, [1.2, 1.25, 1.3], ceiling=1.5),
+        _row("uniform", None, phase="ramp"),
+        _row("megatron", None, phase="ramp", runs_of="uniform"),
+        _row("parameters", None, phase="ramp"),
+    ]
+    path = tmp_path / "results.h5"
+    write_ab_results_h5(path, [], rows, {"mode": "ab"})
+    with h5py.File(path, "r") as f:
+        assert [v.decode() for v in f["rows/runs_of"][()]] == ["", "uniform", ""] * 2
+        best = f["best"]
+        assert [v.decode() for v in best["phase"][()]] == ["ramp", "steady"]
+        assert [v.decode() for v in best["static"][()]] == ["", "parameters"]
+        assert [v.decode() for v in best["tied"][()]] == ["", ""]
+        assert best["first_step"][()].tolist() == [8, 25]
+        assert best["end_step"][()].tolist() == [25, 120]
+        assert math.isnan(best["gain"][0]) and best["gain"][1] == pytest.approx(1.25)
+        assert best["gain_q25"][1] == pytest.approx(1.225)
+        assert best["ceiling"][1] == pytest.approx(1.5)
+        assert best["capture"][1] == pytest.approx(0.5)
+        assert best["static_tokens_per_s"][1] == pytest.approx(2500)
+        assert best["dynmo_tokens_per_s"][1] == pytest.approx(3000)
+        speeds = best["tokens_per_s"]
+        assert sorted(speeds) == ["megatron", "parameters", "uniform"]
+        assert speeds["uniform"][1] == pytest.approx(2000) == speeds["megatron"][1]
+        assert all(math.isnan(speeds[name][0]) for name in speeds)

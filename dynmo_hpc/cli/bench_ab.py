@@ -322,7 +322,13 @@ def run_ab(
             figures.num_migrations,
             figures.wall_s,
         )
-        text, mismatch = _write(args, done, command, setting, runs_of)
+        partial = ""
+        if len(done) < len(order):
+            partial = (
+                f"\n\nPartial: {len(done)} of {len(order)} A/B runs done; the best static "
+                "baseline is chosen among the splits run so far."
+            )
+        text, mismatch = _write(args, done, command, setting + partial, runs_of)
     sys.stdout.write(text)
     print(f"wrote {args.out / 'results.md'}, results.h5, results.png")
     if mismatch is not None:
