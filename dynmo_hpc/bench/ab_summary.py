@@ -9,8 +9,8 @@ The headline puts each balancer against the **best static baseline** of its sche
 (:func:`best_baseline`): of the static splits it was run against, the one whose arm A ran the
 most tokens/s in those runs. Its gain, spread, ceiling and capture are that pair's row's, so
 the figure is still one A/B comparison over the same minutes; only the choice of the baseline
-compares runs made at different times. The noise of that choice favours the static side (the
-luckiest baseline is the best), so it never inflates the gain.
+compares runs made at different times. On a drifting machine that choice can go to a split
+whose runs only met faster minutes; the detailed table keeps the gain over every baseline.
 
 Pure: figures in, rows and Markdown out.
 """
