@@ -175,6 +175,7 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     text = (out / "results.md").read_text()
     assert text in printed
     assert "megatron = uniform (the same split: run once, reported under both names)" in text
+    assert f"Jobs: `{ROOT / 'jobs' / 'stress'}`; 1 repeats" in text
     header = "| scheme | static split | balancer | phase (steps) | static tokens/s |"
     assert header in text
     headline, detail = text.split("Every run, one line per phase")

@@ -250,7 +250,8 @@ def _setting(
     runs_of: dict[str, dict[str, str]],
 ) -> str:
     lines = [
-        f"{args.repeats} repeats; per scheme (job file, blocks, stages, microbatches, steps):",
+        f"Jobs: `{args.jobs_dir}`; {args.repeats} repeats; per scheme (job file, blocks, "
+        "stages, microbatches, steps):",
         "",
     ]
     for scheme, cfg in configs.items():

@@ -253,7 +253,10 @@ def ab_setting(
 ) -> str:
     """The results' header: per scheme, the job, the A/B period and steady-state step, and each
     static baseline's split (one shared with an earlier baseline said so)."""
-    lines = [f"{args.repeats} repeats, A/B within one run; per scheme:", ""]
+    lines = [
+        f"Jobs: `{args.jobs_dir}`; {args.repeats} repeats, A/B within one run; per scheme:",
+        "",
+    ]
     for scheme, cfg in base.items():
         placed = []
         for name, parts in splits.get(scheme, {}).items():
