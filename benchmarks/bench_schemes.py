@@ -1,9 +1,9 @@
 """Per scheme: a short real training on 2 ranks, and the cheapest / dearest block cost it measured.
 
-For each scheme it trains ``jobs/<scheme>.yaml`` on 2 local MPI ranks (``baseline``: the plain
-model of jobs/default.yaml; ``sparse_attention_dense``: the long-sequence model of
-jobs/stress/sparse_attention.yaml with dense attention), reads the run log (``runs/<job>/run.h5``) and
-prints, at the first and the last load report,
+For each scheme it trains ``jobs/stress/<scheme>.yaml`` on 2 local MPI ranks (``baseline``: the
+plain model of jobs/default.yaml; ``sparse_attention_dense``: the long-sequence model of
+jobs/stress/sparse_attention.yaml with dense attention), reads the run log
+(``runs/<job>/run.h5``) and prints, at the first and the last load report,
 the cheapest and the dearest block (layers 1..N) by cost = forward_s + backward_s (thread CPU
 seconds per step, as the profiler measures them), the spread (dearest / cheapest), and the
 total block cost relative to the start. That is the imbalance DynMo has to correct.
@@ -39,7 +39,7 @@ SCHEMES = ["moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"
 BASELINES = {
     "baseline": ("default.yaml", []),
     # The long-sequence model of jobs/stress/sparse_attention.yaml with dense attention.
-    "sparse_attention_dense": ("sparse_attention.yaml", ["schemes.sparse_attention=null"]),
+    "sparse_attention_dense": ("stress/sparse_attention.yaml", ["schemes.sparse_attention=null"]),
 }
 
 
@@ -48,7 +48,7 @@ def run_scheme(
     scheme: str, out_dir: Path, steps: int | None, overrides: list[str], tag: str = ""
 ) -> dict:
     """Train one job on 2 ranks; returns the block-cost summary from its run log."""
-    job_file, extra = BASELINES.get(scheme, (f"{scheme}.yaml", []))
+    job_file, extra = BASELINES.get(scheme, (f"stress/{scheme}.yaml", []))
     job = ROOT / "jobs" / job_file
     sets = [
         *extra,
