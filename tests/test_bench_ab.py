@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from dynmo_hpc.bench.ab import adjacent_block_gains, compare_arms, mark_steps, report_overheads
+from dynmo_hpc.bench.ab_schedule import compare_schedules
 from dynmo_hpc.bench.ab_summary import ABRunFigures, ab_rows
 from dynmo_hpc.bench.summary import algorithm_label
 from dynmo_hpc.cli.bench_ab import ab_order
@@ -28,6 +29,7 @@ from dynmo_hpc.train.ab_arms import (
     STATIC_ARM,
     ABSwitch,
     ab_arm,
+    ab_schedule,
     lead_arm,
     wall_s_per_cpu_s,
 )
@@ -80,6 +82,41 @@ def test_wall_cpu_ratio_is_the_worst_rank_and_nan_without_cpu_time() -> None:
         wall_s_per_cpu_s([1.0], [1.0, 1.0])
 
 
+def test_pairs_of_blocks_alternate_the_two_schedules() -> None:
+    assert [ab_schedule(s, 2, "1f1b", "1f1b-slack") for s in range(10)] == [
+        *["1f1b"] * 4,
+        *["1f1b-slack"] * 4,
+        *["1f1b"] * 2,
+    ]
+    assert ab_schedule(7, 2, "1f1b", None) == "1f1b"
+    assert ab_schedule(7, 0, "1f1b", "gpipe") == "1f1b"  # not an A/B run
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.02])
+def test_schedule_comparison_reads_the_true_speedup_of_each_arm_under_a_drift(
+    drift: float,
+) -> None:
+    """The second schedule is 1.2x faster on the balancer's arm and no faster on the static
+    split's; the machine slows geometrically by ``drift`` per pair of blocks."""
+    period = 5
+    rows = []
+    for step in range(120):
+        arm = ab_arm(step, period)
+        second = ab_schedule(step, period, "1f1b", "1f1b-slack") == "1f1b-slack"
+        base_s = 1.0 if arm == STATIC_ARM else 0.8
+        if second and arm == DYNMO_ARM:
+            base_s /= 1.2
+        slow = (1 + drift) ** (step / (2 * period))
+        rows.append({"step": step, "ab_arm": arm, "step_time_s": base_s * slow, "kept": True})
+    marked = pd.DataFrame(rows)
+    got = compare_schedules(marked, period, 20, 120)
+    assert got[DYNMO_ARM].speedup == pytest.approx(1.2)
+    assert got[STATIC_ARM].speedup == pytest.approx(1.0)
+    assert got[DYNMO_ARM].spread == pytest.approx((1.2, 1.2))
+    assert len(got[STATIC_ARM].ratios) == 8  # pairs 2-11 of 10 steps: eight triples
+    assert compare_schedules(marked, period, 20, 40) == {}  # two pairs: no triple
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -91,6 +128,7 @@ def test_wall_cpu_ratio_is_the_worst_rank_and_nan_without_cpu_time() -> None:
             "elastic.enabled=false",
         ),
         (["train.steady_state_step=4"], "steady_state_step=4 is not a step"),
+        (["balance.ab_schedule=1f1b-slack"], "ab_period_steps=0; HINT"),
     ],
 )
 def test_bad_ab_settings_are_refused_with_a_hint(
@@ -150,6 +188,17 @@ def test_ab_run_trains_what_a_static_run_trains_and_logs_its_arms(tmp_path: Path
     plain = load(static_cfg.run_dir / "run.h5").steps
     assert (plain["ab_arm"] == NO_ARM).all()
     assert {STATIC_ARM, DYNMO_ARM} == set(steps["ab_arm"])
+
+    # Steps 4-7 run GPipe (balance.ab_schedule) on both ranks: same function, summed in another
+    # order (all forwards first), so equal to float tolerance.
+    both_cfg = dataclasses.replace(
+        ab_cfg,
+        job=dataclasses.replace(ab_cfg.job, name="ab_gpipe"),
+        balance=dataclasses.replace(ab_cfg.balance, ab_schedule="gpipe"),
+    )
+    both = run_job(both_cfg)
+    assert both["losses"] == pytest.approx(static["losses"], rel=1e-5)
+    assert both["losses"][:4] == static["losses"][:4]  # steps 0-3: the job's own 1F1B
 
 
 def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

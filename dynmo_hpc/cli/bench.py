@@ -55,6 +55,7 @@ from dynmo_hpc.cli.bench_ab import ab_order, measured_times, run_ab, scheme_spli
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
+from dynmo_hpc.pipeline.schedule import SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         default=None,
         help="steps per A/B block, a multiple of the job's balance.interval (default: twice it)",
+    )
+    p.add_argument(
+        "--ab-schedule",
+        choices=sorted(SCHEDULES),
+        default=None,
+        help="--ab: also alternate the job's pipeline.schedule with this one in pairs of blocks "
+        "(balance.ab_schedule), to measure which is faster on each arm "
+        "(benchmarks/ab_schedule.py prints it)",
     )
     p.add_argument(
         "--noise-factor",
@@ -277,6 +286,8 @@ def _command(args: argparse.Namespace) -> str:
         words += ["--steps", str(args.steps)]
     if args.mode == "ab" and args.ab_period is not None:
         words += ["--ab-period", str(args.ab_period)]
+    if args.mode == "ab" and args.ab_schedule is not None:
+        words += ["--ab-schedule", args.ab_schedule]
     if args.mode == "ab" and args.noise_factor != NOISE_FACTOR:
         words += ["--noise-factor", str(args.noise_factor)]
     words += ["--out", str(args.out), "--jobs-dir", str(args.jobs_dir)]

@@ -315,6 +315,8 @@ def run_ab(
             f"balance.ab_lead={planned.lead}",
             f"job.name={planned.name}",
         ]
+        if args.ab_schedule is not None:
+            sets.append(f"balance.ab_schedule={args.ab_schedule}")
         figures = _train(args, planned, make_config(planned.scheme, sets))
         done.append((planned, figures))
         log.info(

@@ -58,6 +58,20 @@ def ab_arm(step: int, period_steps: int, lead: int = STATIC_ARM) -> int:
     return (step // period_steps + lead) % 2
 
 
+def ab_schedule(step: int, period_steps: int, schedule: str, second: str | None) -> str:
+    """The microbatch schedule step ``step`` runs: ``schedule`` (``pipeline.schedule``) in even
+    pairs of blocks, ``second`` (``balance.ab_schedule``) in odd ones; always ``schedule`` when
+    ``second`` is None or the run is not an A/B run.
+
+    A pair is ``2 * period_steps`` steps: one block of each arm, so both arms run both schedules
+    and each adjacent pair of blocks (one per arm) shares its schedule, which keeps the A/B gain
+    a comparison under one schedule. Example, period 2: steps 0-3 ``schedule``, 4-7 ``second``.
+    """
+    if second is None or period_steps == 0:
+        return schedule
+    return second if (step // (2 * period_steps)) % 2 else schedule
+
+
 @dataclass
 class ABSwitch:
     """Rank 0's A/B state: the static split, the balancer's own partition, the period."""

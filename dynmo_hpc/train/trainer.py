@@ -57,6 +57,7 @@ from dynmo_hpc.pipeline.stage import PipelineStage, StepStats
 from dynmo_hpc.pipeline.tied_grads import sum_tied_grads
 from dynmo_hpc.report_cycle import is_report_step
 from dynmo_hpc.testing.fault_injection import make_injector
+from dynmo_hpc.train.ab_arms import ab_schedule
 from dynmo_hpc.train.lifecycle import PhaseTracker, StopRequest, TrainResult, count_nodes
 from dynmo_hpc.train.load_report import LoadReporter, ReportState
 from dynmo_hpc.train.pack_inputs import PackController
@@ -311,7 +312,10 @@ class Trainer:
         self.faults.at("step", step)
         topo, slots = self.topo, self.pipeline_stage.slots
         per_replica = cfg.train.num_microbatches // topo.num_replicas
-        actions = build_schedule(cfg.pipeline.schedule, topo.stage, topo.num_stages, per_replica)
+        schedule = ab_schedule(
+            step, cfg.balance.ab_period_steps, cfg.pipeline.schedule, cfg.balance.ab_schedule
+        )
+        actions = build_schedule(schedule, topo.stage, topo.num_stages, per_replica)
         reducer = GradReducer(self.groups.data, slots, int(cfg.pipeline.grad_bucket_mb * 2**20))
         stats = self.pipeline_stage.run_schedule(step, actions, reducer.layer_final)
         self.reporter.accumulator.add(stats.forward_s, stats.backward_s)
