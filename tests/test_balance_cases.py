@@ -99,7 +99,7 @@ def test_bad_costs_are_rejected(costs: list[float], message: str) -> None:
 
 def test_unknown_algorithm_and_options_list_the_valid_ones() -> None:
     with pytest.raises(
-        ValueError, match="valid algorithms: uniform, megatron, parameters, optimal"
+        ValueError, match="valid algorithms: uniform, megatron, parameters, profiled, optimal"
     ):
         partition([1, 2], 1, "greedy")
     with pytest.raises(

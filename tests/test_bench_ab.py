@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -592,3 +593,86 @@ def test_the_bench_alternates_the_leading_arm_over_repeats(tmp_path: Path) -> No
     assert cfg.balance.ab_lead == "dynmo"
     with pytest.raises(ConfigError, match="ab_lead"):
         tiny_config(tmp_path, "balance.ab_lead=b")
+
+
+@pytest.mark.mpi
+def test_bench_profiles_each_job_once_for_the_profiled_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``profiled``: one short static run per job measures the layers' costs, and the static
+    split is the best one for them; on the tiny model whose last block is 128x wider than the
+    others, that split leaves the wide block and the head alone on the last stage, unlike
+    uniform's."""
+    from dynmo_hpc.cli import main
+    from tests.helpers.jobs import ROOT, TINY
+
+    out = tmp_path / "bench"
+    skip = ("train.steps", "balance.algorithm", "balance.interval")
+    sets = [s for item in TINY if not item.startswith(skip) for s in ("--set", item)]
+    sets += ["--set", IMBALANCED[0], "--set", "balance.interval=2"]
+    argv = ["bench", "--schemes", "plain", "--algorithms", "uniform,profiled,optimal"]
+    argv += ["--steps", "16", "--ab-period", "4", "--out", str(out)]
+    argv += ["--jobs-dir", str(ROOT / "jobs" / "stress"), *sets]
+    assert main(argv) == 0
+    capsys.readouterr()
+    profile = load(out / "runs" / "profile_plain" / "run.h5")
+    assert len(profile.steps) == 4
+    assert sorted(profile.layer_costs["step"].unique()) == [1, 3]  # two reports
+    assert profile.events[profile.events["kind"] == "migrate"].empty  # static: it only measures
+    text = (out / "results.md").read_text()
+    assert "profiled [0, 4, 6]" in text and "uniform [0, 3, 6]" in text, text
+    ab = load(out / "runs" / "bench_ab_plain_optimal_vs_profiled_r0" / "run.h5")
+    assert ab.config["pipeline"]["partition"] == [0, 4, 6]  # arm A: the profiled split
+
+
+@pytest.mark.mpi
+def test_a_static_baseline_places_the_layers_once_in_training(tmp_path: Path) -> None:
+    """``balance.algorithm=profiled`` in a job: the first load report places the layers by the
+    costs measured so far, and no later report moves them, whatever the costs do."""
+    cfg = tiny_config(
+        tmp_path, *IMBALANCED, "balance.algorithm=profiled", "balance.margin=0", "job.name=p"
+    )
+    run_job(cfg)
+    run = load(cfg.run_dir / "run.h5")
+    plans = run.events[run.events["kind"] == "rebalance"]
+    assert plans["step"].tolist() == [1]
+    assert plans["detail"].iloc[0]["new_parts"] == [0, 4, 6]
+    assert run.parts_at(7) == [0, 4, 6]
+
+
+@pytest.mark.mpi
+def test_a_run_alternating_two_schedules_is_read_per_arm(tmp_path: Path) -> None:
+    """``balance.ab_schedule``: a real A/B run alternating 1F1B and 1F1B-slack in pairs of
+    blocks; ``benchmarks/ab_schedule.py`` reads each arm's speedup of the second schedule."""
+    import subprocess
+    import sys
+
+    from tests.helpers.jobs import ROOT
+
+    cfg = tiny_config(
+        tmp_path,
+        *IMBALANCED,
+        "train.steps=72",
+        "train.steady_state_step=8",
+        "job.name=bench_ab_plain_optimal_vs_uniform_r0",
+        "balance.algorithm=optimal",
+        "balance.ab_period_steps=8",  # the first and last step of a block time the moves
+        "balance.ab_schedule=1f1b-slack",
+    )
+    run_job(cfg)
+    script = ROOT / "benchmarks" / "ab_schedule.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(cfg.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| plain |")]
+    assert [row.split("|")[3].strip() for row in rows] == ["A static", "B balancer"], proc.stdout
+    for row in rows:
+        assert "1f1b-slack over 1f1b" in row
+        speedup = float(row.split("|")[4].split()[0])
+        assert 0.2 < speedup < 5.0  # a ratio of step times, whatever this machine's noise

@@ -31,6 +31,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 
 COVERED_ELSEWHERE = {
     "ab_breakdown.py": "tests/test_bench_ab.py (on the end-to-end bench's A/B run)",
+    "ab_schedule.py": "tests/test_bench_ab.py (on an A/B run alternating two schedules)",
     "bench_checkpoint.py": "tests/test_bench_checkpoint.py",
     "bench_data.py": "tests/test_bench_data.py",
     "bench_migration.py": "tests/test_bench_migration.py",

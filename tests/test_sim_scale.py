@@ -169,7 +169,14 @@ def test_cli_prints_speedups_per_stage_count(
     assert rc == 0 and out["blocks"] == 16 and out["microbatches"] == 8
     assert [r["stages"] for r in out["results"]] == [2, 4]
     for r in out["results"]:
-        assert set(r["speedup"]) == {"megatron", "parameters", "uniform", "optimal", "diffusion"}
+        assert set(r["speedup"]) == {
+            "megatron",
+            "parameters",
+            "profiled",
+            "uniform",
+            "optimal",
+            "diffusion",
+        }
         assert r["speedup"]["megatron"]["megatron"]["median"] == 1.0
         assert r["speedup"]["optimal"]["parameters"]["steady_max"] > 0
     rc = main([*argv, "--machine", str(machine)])

@@ -102,6 +102,9 @@ class Algorithm:
     check_settings: Callable[[Mapping[str, Any]], None] = _no_check
     """Validates the job's ``balance`` section (as a mapping of its fields) for this algorithm;
     raises ValueError saying what was expected, what was found, and a HINT."""
+    profiled: bool = False
+    """A static baseline placed from measured costs (``profiled``): the bench measures them in a
+    short profiling run first; the trainer places it at the first load report."""
     benched: bool = True
     """Whether ``dynmo-hpc bench`` runs it when ``--algorithms`` is not given (False for an
     entry kept for ``plan`` and the simulator only). Two static baselines that place a job's
@@ -159,6 +162,13 @@ ALGORITHMS: dict[str, Algorithm] = {
         label="DeepSpeed (balanced parameter counts)",
         rebalances=False,
         trainer_options=_parameters_options,
+    ),
+    "profiled": Algorithm(
+        function=optimal,
+        label="profiled once (the best split for the first steps' measured costs)",
+        rebalances=False,
+        trainer_options=_optimal_options,
+        profiled=True,
     ),
     "optimal": Algorithm(function=optimal, label="DynMo optimal", trainer_options=_optimal_options),
     "diffusion": Algorithm(

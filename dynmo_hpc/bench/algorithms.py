@@ -18,7 +18,12 @@ from dynmo_hpc.balance import INITIAL_ALGORITHM, STATIC, BalanceState, partition
 from dynmo_hpc.balance.registry import lookup
 
 
-def algorithm_overrides(algorithm: str, num_stages: int, layer_params: Sequence[int]) -> list[str]:
+def algorithm_overrides(
+    algorithm: str,
+    num_stages: int,
+    layer_params: Sequence[int],
+    costs_s: Sequence[float] | None = None,
+) -> list[str]:
     """The ``--set`` overrides that make a job run under ``algorithm``.
 
     A static baseline (``rebalances=False``) fixes its split at the start and never moves a
@@ -33,15 +38,29 @@ def algorithm_overrides(algorithm: str, num_stages: int, layer_params: Sequence[
         return [f"balance.algorithm={algorithm}", "pipeline.partition=null"]
     if algorithm == INITIAL_ALGORITHM:
         return [f"balance.algorithm={STATIC}", "pipeline.partition=null"]
-    parts = static_split(algorithm, num_stages, layer_params)
+    parts = static_split(algorithm, num_stages, layer_params, costs_s)
     return [f"balance.algorithm={STATIC}", f"pipeline.partition=[{', '.join(map(str, parts))}]"]
 
 
-def static_split(algorithm: str, num_stages: int, layer_params: Sequence[int]) -> list[int]:
+def static_split(
+    algorithm: str,
+    num_stages: int,
+    layer_params: Sequence[int],
+    costs_s: Sequence[float] | None = None,
+) -> list[int]:
     """The split a static baseline fixes at the start: computed once from the layers as built
-    (unit costs; ``layer_params`` for the options that need parameter counts)."""
+    (``layer_params`` for the options that need parameter counts) and, for a ``profiled``
+    baseline, from ``costs_s``, the per-layer seconds a profiling run measured (required)."""
     entry = lookup(algorithm)
-    costs = [1.0] * len(layer_params)
+    if entry.profiled:
+        if costs_s is None or len(costs_s) != len(layer_params):
+            raise ValueError(
+                f"{algorithm} places layers by measured costs: need one cost per layer "
+                f"({len(layer_params)}), got {None if costs_s is None else len(costs_s)}"
+            )
+        costs = [float(c) for c in costs_s]
+    else:
+        costs = [1.0] * len(layer_params)
     state = BalanceState(
         parts=partition(costs, num_stages, INITIAL_ALGORITHM),
         num_params=list(layer_params),

@@ -31,14 +31,13 @@ from typing import Any
 
 from dynmo_hpc.atomic_io import atomic_write_text
 from dynmo_hpc.balance import ALGORITHMS
-from dynmo_hpc.balance.registry import bench_algorithms, lookup
+from dynmo_hpc.balance.registry import bench_algorithms
 from dynmo_hpc.bench.ab import NOISE_FACTOR, mark_steps, phase_ceiling, run_ceilings
 from dynmo_hpc.bench.algorithms import (
     PlannedRun,
     algorithm_overrides,
     run_order,
     shared_splits,
-    static_split,
 )
 from dynmo_hpc.bench.measure import RunFigures, run_figures
 from dynmo_hpc.bench.output import write_chart, write_results_h5
@@ -51,7 +50,14 @@ from dynmo_hpc.bench.summary import (
     summarize,
 )
 from dynmo_hpc.cli.args import add_overrides_argument
-from dynmo_hpc.cli.bench_ab import ab_order, measured_times, run_ab, scheme_splits, train_run
+from dynmo_hpc.cli.bench_ab import (
+    ab_order,
+    measured_times,
+    profile_costs,
+    run_ab,
+    scheme_splits,
+    train_run,
+)
 from dynmo_hpc.config import SCHEME_SECTIONS, JobConfig
 from dynmo_hpc.config import load as load_config
 from dynmo_hpc.errors import DynmoError
@@ -364,9 +370,12 @@ def run(args: argparse.Namespace) -> int:
         return run_ab(
             args, base, params, _command(args), lambda scheme, sets: _config(args, scheme, sets)
         )
+    costs = profile_costs(args.algorithms, base, lambda scheme, sets: _config(args, scheme, sets))
     runs_of = {
         scheme: shared_splits(
-            scheme_splits(args.algorithms, cfg.pipeline.num_stages, params[scheme])
+            scheme_splits(
+                args.algorithms, cfg.pipeline.num_stages, params[scheme], costs.get(scheme)
+            )
         )
         for scheme, cfg in base.items()
     }
@@ -391,14 +400,18 @@ def run(args: argparse.Namespace) -> int:
     for k, planned in enumerate(order):
         cfg0 = base[planned.scheme]
         sets = algorithm_overrides(
-            planned.algorithm, cfg0.pipeline.num_stages, params[planned.scheme]
+            planned.algorithm,
+            cfg0.pipeline.num_stages,
+            params[planned.scheme],
+            costs.get(planned.scheme),
         )
         cfg = _config(args, planned.scheme, [*sets, f"job.name={planned.name}"])
-        splits = {
-            name: static_split(name, cfg0.pipeline.num_stages, params[planned.scheme])
-            for name in args.algorithms
-            if not lookup(name).rebalances
-        }
+        splits = scheme_splits(
+            args.algorithms,
+            cfg0.pipeline.num_stages,
+            params[planned.scheme],
+            costs.get(planned.scheme),
+        )
         figures = _train(planned, cfg, splits)
         done.append((planned, figures))
         elapsed_s = time.perf_counter() - t_start

@@ -94,14 +94,56 @@ def ab_order(
 
 
 def scheme_splits(
-    algorithms: list[str], num_stages: int, layer_params: list[int]
+    algorithms: list[str],
+    num_stages: int,
+    layer_params: list[int],
+    costs_s: list[float] | None = None,
 ) -> dict[str, list[int]]:
-    """Per static baseline in ``algorithms`` (their order): its split of the scheme's job."""
+    """Per static baseline in ``algorithms`` (their order): its split of the scheme's job
+    (``costs_s``: the profiling run's per-layer costs, for ``profiled``)."""
     return {
-        name: static_split(name, num_stages, layer_params)
+        name: static_split(name, num_stages, layer_params, costs_s)
         for name in algorithms
         if not lookup(name).rebalances
     }
+
+
+PROFILE_REPORTS = 2
+"""Load reports a profiling run lasts; the costs of its last one place ``profiled`` (the first
+report's interval holds the run's warm-up)."""
+
+
+def profile_costs(
+    algorithms: list[str],
+    base: dict[str, JobConfig],
+    make_config: Callable[[str, list[str]], JobConfig],
+) -> dict[str, list[float]]:
+    """Per scheme, when a baseline in ``algorithms`` is placed from measured costs: each layer's
+    forward + backward seconds per step at the last load report of a short static run of the
+    job (what a user who profiles before a long run measures). Empty otherwise."""
+    if not any(lookup(name).profiled for name in algorithms):
+        return {}
+    out: dict[str, list[float]] = {}
+    for scheme, cfg0 in base.items():
+        name = f"profile_{scheme}"
+        sets = [
+            "balance.algorithm=static",
+            "pipeline.partition=null",
+            f"train.steps={PROFILE_REPORTS * cfg0.balance.interval}",
+            "train.steady_state_step=null",
+            f"job.name={name}",
+        ]
+        run, wall_s = train_run(name, make_config(scheme, sets))
+        costs = run.layer_costs
+        last = costs[costs["step"] == costs["step"].max()].sort_values("layer")
+        total_s = last["forward_s"].to_numpy() + last["backward_s"].to_numpy()
+        out[scheme] = [float(c) for c in total_s]
+        log.info("bench: profiled %s in %.1f s: %s", scheme, wall_s, _costs_text(out[scheme]))
+    return out
+
+
+def _costs_text(costs_s: list[float]) -> str:
+    return "layer ms/step " + " ".join(f"{1e3 * c:.0f}" for c in costs_s)
 
 
 def static_parts(cfg: JobConfig) -> list[int]:
@@ -284,8 +326,11 @@ def run_ab(
 ) -> int:
     """Every A/B run, the results rewritten after each; the table on stdout at the end.
     ``make_config(scheme, overrides)``: the scheme's bench config with ``overrides``."""
+    costs = profile_costs(args.algorithms, base, make_config)
     splits = {
-        scheme: scheme_splits(args.algorithms, cfg.pipeline.num_stages, params[scheme])
+        scheme: scheme_splits(
+            args.algorithms, cfg.pipeline.num_stages, params[scheme], costs.get(scheme)
+        )
         for scheme, cfg in base.items()
     }
     runs_of = {scheme: shared_splits(by_name) for scheme, by_name in splits.items()}
@@ -307,7 +352,12 @@ def run_ab(
     text, mismatch = "", None
     for k, planned in enumerate(order):
         cfg0 = base[planned.scheme]
-        sets = algorithm_overrides(planned.static, cfg0.pipeline.num_stages, params[planned.scheme])
+        sets = algorithm_overrides(
+            planned.static,
+            cfg0.pipeline.num_stages,
+            params[planned.scheme],
+            costs.get(planned.scheme),
+        )
         sets = [s for s in sets if not s.startswith("balance.algorithm=")]
         sets += [
             f"balance.algorithm={planned.balancer}",

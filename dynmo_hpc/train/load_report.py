@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from dynmo_hpc.balance import uniform
-from dynmo_hpc.balance.registry import STATIC
+from dynmo_hpc.balance.registry import ALGORITHMS, STATIC
 from dynmo_hpc.config import JobConfig
 from dynmo_hpc.pipeline.costs import (
     CostTracker,
@@ -86,6 +86,8 @@ class LoadReporter:
         self.writer: Any = None
         """Rank 0's run log, once the trainer opened it."""
         self.accumulator = IntervalAccumulator()
+        self._placed_once = False
+        """A static baseline (``balance.algorithm`` that does not rebalance) has decided."""
         self.pack_target: dict[str, Any] | None = None
         """Set on every rank when rank 0 decided to pack: the stage count and partition."""
         self.pipeline_step_s: deque[float] = deque(maxlen=cfg.balance.interval)
@@ -259,6 +261,12 @@ class LoadReporter:
         to, or None."""
         if self.cfg.balance.algorithm == STATIC or report.step + 1 >= self.cfg.train.steps:
             return None  # static, or after the last step: a migration could not pay back
+        if not ALGORITHMS[self.cfg.balance.algorithm].rebalances:
+            # A static baseline places the layers once, at the first report of this launch
+            # (``profiled``: from the costs measured so far), and never again.
+            if self._placed_once:
+                return None
+            self._placed_once = True
         plan = decide(
             self.cfg.balance,
             report,
