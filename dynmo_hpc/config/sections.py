@@ -536,10 +536,8 @@ class BalanceSection:
     has not reported yet, so it runs the static split: the bench sets the first block of each
     arm aside as warm-up."""
     ab_schedule: Literal["1f1b", "1f1b-slack", "gpipe"] | None = None
-    """Benchmarking: null, or a second microbatch schedule for an A/B run. Pairs of blocks (one
-    block of each arm, ``2 * ab_period_steps`` steps) alternate between ``pipeline.schedule``
-    (even pairs) and this one (odd pairs), so one run also compares the two schedules on both
-    arms over the same minutes (:func:`~dynmo_hpc.train.ab_arms.ab_schedule`)."""
+    """Benchmarking: null, or a second microbatch schedule that odd pairs of A/B blocks run
+    instead of ``pipeline.schedule`` (:func:`~dynmo_hpc.train.ab_arms.ab_schedule`)."""
 
     def validate(self) -> None:
         try:
@@ -565,11 +563,9 @@ class BalanceSection:
         period = self.ab_period_steps
         if period == 0:
             if self.ab_schedule is not None:
-                raise ConfigError(
-                    f"balance.ab_schedule={self.ab_schedule} compares schedules inside an A/B "
-                    "run, but balance.ab_period_steps=0; HINT: set balance.ab_period_steps "
-                    f"(e.g. {2 * self.interval}) or drop ab_schedule"
-                )
+                msg = "compares schedules in an A/B run, but balance.ab_period_steps=0; HINT:"
+                hint = f"set balance.ab_period_steps (e.g. {2 * self.interval}) or drop it"
+                raise ConfigError(f"balance.ab_schedule={self.ab_schedule} {msg} {hint}")
             return
         if period < 0 or period % self.interval:
             raise ConfigError(
