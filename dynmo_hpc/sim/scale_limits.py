@@ -1,0 +1,207 @@
+"""What limits a row of the at-scale table: the achieved speedup against that row's own ceiling.
+
+Why: a scheme's trajectory on ``P`` stages allows only so much gain. Quoting the paper's "up to"
+figure beside ours and calling every shortfall "the input" hides whether the trajectory has no
+more imbalance to give (then the balancer is at its ceiling and nothing would do better), whether
+the ceiling is capped by the layers' size or the pipeline's fill and drain, or whether the
+balancer leaves gain on the table (migrations, deciding on past costs). This module computes, for
+one stage count, the chain
+
+    achieved = imbalance x granularity x pipeline x decisions x migrations
+
+over the steady state, every factor a ratio of summed seconds (so slow steps weigh by their
+seconds, as in a run):
+
+- **achieved**: the best static baseline's steady-state seconds over the best DynMo balancer's
+  (migrations included); "best" is the least steady-state time among :data:`STATIC_BASELINES` and
+  :data:`BALANCERS` replays.
+- **ceiling** = imbalance x granularity x pipeline: the static split's simulated step over the
+  best partition's (the min-max contiguous split of that report's costs, or the static split if
+  that is faster), each priced by the replay's own step model (:func:`replay.step_time_s`:
+  fill, drain, transfers), per steady step with the costs of the report in force.
+- **imbalance**: the static split's heaviest stage over the mean stage (layer compute only): the
+  gain a perfect split of divisible work would give.
+- **granularity** = mean stage / the min-max split's heaviest stage (<= 1): what whole layers
+  cost (a layer heavier than a mean stage caps every split).
+- **pipeline** = ceiling / (imbalance x granularity): what fill, drain and transfers take.
+- **decisions** = achieved without migrations / ceiling: the partitions the balancer ran, decided
+  at the previous report on smoothed costs and only when the gain beat its margin (diffusion: one
+  phase a report), against the best partition for the costs in force.
+- **migrations** = achieved / achieved without the steady state's migration seconds.
+
+Invariant: the product of the factors is the achieved speedup (up to rounding). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from dynmo_hpc.balance import optimal, stage_loads
+from dynmo_hpc.balance.registry import rebalancing, static_baselines
+from dynmo_hpc.sim.replay import CostReport, ReplayResult, ReplaySetup, step_time_s
+
+STATIC_BASELINES = static_baselines()
+"""The static baselines a row's best is chosen from (``uniform``, ``megatron``, ``parameters``)."""
+BALANCERS = rebalancing()
+"""DynMo's balancers a row's best is chosen from."""
+AT_CEILING = 0.02
+"""Achieved within this fraction of the ceiling counts as at the ceiling."""
+NO_ROOM = 0.01
+"""A ceiling below ``1 + NO_ROOM`` leaves nothing to gain."""
+NOTABLE = 0.05
+"""A factor that takes more than this fraction is named as a limit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowLimits:
+    """One stage count's steady-state speedup and the factors it is the product of."""
+
+    best_static: str
+    best_balancer: str
+    achieved: float
+    """Best static's steady-state seconds / best balancer's (migrations included)."""
+    achieved_max: float
+    """Largest per-step ratio of the same two over the steady state (the "up to" figure)."""
+    imbalance: float
+    granularity: float
+    pipeline: float
+    decisions: float
+    migrations: float
+
+    @property
+    def ceiling(self) -> float:
+        """The pipeline-aware ceiling over the best static split."""
+        return self.imbalance * self.granularity * self.pipeline
+
+    @property
+    def capture(self) -> float | None:
+        """``(achieved - 1) / (ceiling - 1)``; None when the ceiling leaves no room."""
+        if self.ceiling < 1.0 + NO_ROOM:
+            return None
+        return (self.achieved - 1.0) / (self.ceiling - 1.0)
+
+
+def _steady(num_steps: int, steady_from: int) -> range:
+    return range(min(max(0, steady_from), num_steps - 1), num_steps)
+
+
+def _report_of(step: int, interval: int, num_reports: int) -> int:
+    return min(step // interval, num_reports - 1)
+
+
+def _best(results: Mapping[str, ReplayResult], names: Sequence[str], steps: range) -> str:
+    present = [n for n in names if n in results]
+    if not present:
+        raise ValueError(f"no replay of any of {', '.join(names)}; HINT: replay at least one")
+    return min(present, key=lambda n: sum(results[n].step_times_s[i] for i in steps))
+
+
+def row_limits(
+    reports: Sequence[CostReport],
+    setup: ReplaySetup,
+    results: Mapping[str, ReplayResult],
+    steady_from_step: int,
+) -> RowLimits:
+    """The :class:`RowLimits` of ``results`` (replays of ``reports`` on ``setup``, by algorithm:
+    at least one static baseline and one balancer) over the steady state from
+    ``steady_from_step`` (clamped into the run)."""
+    lengths = {len(r.step_times_s) for r in results.values()}
+    if len(lengths) != 1 or not reports:
+        raise ValueError("every replay must have the same number of steps, and >= 1 report")
+    steps = _steady(lengths.pop(), steady_from_step)
+    static, balancer = _best(results, STATIC_BASELINES, steps), _best(results, BALANCERS, steps)
+    static_s = [results[static].step_times_s[i] for i in steps]
+    balancer_s = [results[balancer].step_times_s[i] for i in steps]
+    moved_s = sum(s for step, s in results[balancer].migration_steps if step in steps)
+    parts = results[static].final_parts
+    sums = {"max": 0.0, "mean": 0.0, "best_max": 0.0, "static_step": 0.0, "best_step": 0.0}
+    per_report: dict[int, dict[str, float]] = {}
+    for step in steps:
+        r = _report_of(step, setup.interval, len(reports))
+        if r not in per_report:
+            per_report[r] = _report_terms(reports[r], parts, setup)
+        for key, value in per_report[r].items():
+            sums[key] += value
+    achieved = sum(static_s) / sum(balancer_s)
+    unmoved = sum(static_s) / max(sum(balancer_s) - moved_s, 1e-300)
+    imbalance = sums["max"] / sums["mean"]
+    granularity = sums["mean"] / sums["best_max"]
+    ceiling = sums["static_step"] / sums["best_step"]
+    return RowLimits(
+        best_static=static,
+        best_balancer=balancer,
+        achieved=achieved,
+        achieved_max=max(b / a for b, a in zip(static_s, balancer_s, strict=True)),
+        imbalance=imbalance,
+        granularity=granularity,
+        pipeline=ceiling / (imbalance * granularity),
+        decisions=unmoved / ceiling,
+        migrations=achieved / unmoved,
+    )
+
+
+def _report_terms(report: CostReport, parts: list[int], setup: ReplaySetup) -> dict[str, float]:
+    """One report's compute-only stage loads and pipeline-aware steps, static and best."""
+    costs = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
+    num_stages = len(parts) - 1
+    best_parts = optimal(costs, num_stages)
+    static_step = step_time_s(report, list(parts), setup)
+    best_step = min(static_step, step_time_s(report, best_parts, setup))
+    loads = stage_loads(costs, parts)
+    return {
+        "max": max(loads),
+        "mean": sum(costs) / num_stages,
+        "best_max": min(max(loads), max(stage_loads(costs, best_parts))),
+        "static_step": static_step,
+        "best_step": best_step,
+    }
+
+
+def what_limits(limits: RowLimits) -> str:
+    """The row's limit in words, from its factors (see the module docstring)."""
+    lim = limits
+    pair = f"{lim.achieved:.2f} of {lim.ceiling:.2f}"
+    if lim.ceiling < 1.0 + NO_ROOM:
+        return (
+            f"nothing to gain: {lim.best_static}'s split is within {NO_ROOM:.0%} of the best "
+            f"partition (ceiling {lim.ceiling:.2f})"
+        )
+    if lim.achieved >= lim.ceiling * (1.0 - AT_CEILING):
+        text = f"at the ceiling ({pair}): the trajectory's imbalance is all there is"
+        capped = _ceiling_caps(lim)
+        return f"{text}; {capped}" if capped else text
+    losses = [("decisions on past costs", lim.decisions), ("migrations", lim.migrations)]
+    named = [f"{name} {1 - f:.0%}" for name, f in sorted(losses, key=lambda x: x[1]) if f < 0.995]
+    gap = 1.0 - lim.achieved / lim.ceiling
+    return f"below the ceiling by {gap:.0%} ({pair}): " + (", ".join(named) or "rounding")
+
+
+def _ceiling_caps(lim: RowLimits) -> str:
+    """What caps the ceiling below the imbalance, when anything does by > :data:`NOTABLE`."""
+    caps = [
+        (lim.granularity, "whole layers take {:.0%} (a layer outweighs a mean stage)"),
+        (lim.pipeline, "fill, drain and transfers take {:.0%}"),
+    ]
+    return ", ".join(t.format(1 - f) for f, t in caps if f < 1.0 - NOTABLE)
+
+
+def paper_difference(limits: RowLimits, paper: float | None) -> str:
+    """The first factor of the chain that stands below the paper's "up to" figure (``paper``;
+    None: no figure): the named difference between this row and the paper."""
+    lim = limits
+    if paper is None:
+        return "-"
+    if lim.achieved_max >= paper:
+        return f"ours reaches it ({lim.achieved_max:.2f})"
+    if lim.imbalance < paper:
+        return (
+            f"the trajectory: {lim.best_static}'s heaviest stage is {lim.imbalance:.2f}x the mean; "
+            f"{paper:.2f}x needs >= {paper:.2f}x"
+        )
+    if lim.imbalance * lim.granularity < paper:
+        capped = lim.imbalance * lim.granularity
+        return f"whole layers: the best split's heaviest stage caps it at {capped:.2f}x"
+    if lim.ceiling < paper:
+        return f"the pipeline: fill, drain and transfers cap it at {lim.ceiling:.2f}x"
+    return f"the balancer: the ceiling {lim.ceiling:.2f}x allows it"
