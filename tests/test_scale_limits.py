@@ -61,8 +61,10 @@ def test_the_factors_of_a_hand_counted_report() -> None:
     assert lim.migrations == 1.0
     assert lim.achieved == pytest.approx(lim.ceiling)
     assert lim.achieved_max == pytest.approx(lim.ceiling)
-    assert what_limits(lim).startswith("at the ceiling (1.20 of 1.20)")
-    assert "whole layers take 20%" in what_limits(lim)
+    assert what_limits(lim) == (
+        "at the ceiling (1.20 of 1.20): no partition does better; of the trajectory's "
+        "imbalance (1.50x), whole layers take 20%"
+    )
 
 
 def test_a_migration_in_the_steady_state_is_its_own_factor() -> None:
@@ -82,6 +84,12 @@ def test_a_migration_in_the_steady_state_is_its_own_factor() -> None:
     lim = row_limits([report], setup, results, steady_from_step=0)
     # From step 0: the first interval runs uniform's split and step 4 pays the migration.
     assert lim.migrations < 1.0 and lim.decisions < 1.0
+    assert len(results["optimal"].step_parts) == 20
+    assert results["optimal"].step_parts[4] == [0, 2, 4] and results["optimal"].step_parts[5] == [
+        0,
+        3,
+        4,
+    ]
     product = lim.ceiling * lim.decisions * lim.migrations
     assert product == pytest.approx(lim.achieved)
     text = what_limits(lim)
@@ -110,8 +118,11 @@ def test_the_limit_in_words() -> None:
     at = _limits()
     assert at.capture == pytest.approx(0.5 / 0.53)  # (1.50 - 1) / (1.53 - 1)
     assert what_limits(at) == (
-        "at the ceiling (1.50 of 1.53): the trajectory's imbalance is all there is; "
-        "fill, drain and transfers take 10%"
+        "at the ceiling (1.50 of 1.53): no partition does better; of the trajectory's "
+        "imbalance (1.70x), fill, drain and transfers take 10%"
+    )
+    assert what_limits(_limits(imbalance=1.52, pipeline=1.0, decisions=1.5 / 1.52)) == (
+        "at the ceiling (1.50 of 1.52): the trajectory's imbalance is all there is"
     )
     below = _limits(achieved=1.2, decisions=0.9, migrations=1.2 / (1.53 * 0.9))
     text = what_limits(below)
@@ -125,7 +136,7 @@ def test_the_named_difference_from_the_paper() -> None:
     assert paper_difference(lim, None) == "-"
     assert paper_difference(lim, 1.5) == "ours reaches it (1.55)"
     assert paper_difference(lim, 3.18).startswith(
-        "the trajectory: megatron's heaviest stage is 1.70x the mean; 3.18x needs >= 3.18x"
+        "the trajectory: the megatron split's heaviest stage is 1.70x the mean; 3.18x needs >= 3.18x"
     )
     capped = _limits(imbalance=4.0, granularity=0.5)
     assert paper_difference(capped, 3.18).startswith("whole layers:")

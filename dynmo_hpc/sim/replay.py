@@ -221,6 +221,8 @@ class ReplayResult:
     """Seconds spent migrating, over the whole run."""
     migration_steps: list[tuple[int, float]] = field(default_factory=list)
     """Per migration: the (0-based) report step it was charged to and its seconds."""
+    step_parts: list[list[int]] = field(default_factory=list)
+    """Per step, the partition it ran on."""
     packs: int = 0
     """Resizes onto fewer stages (``packing`` only)."""
     pack_steps: list[int] = field(default_factory=list)
@@ -360,6 +362,7 @@ class _Timeline:
     migrations: int = 0
     migration_s: float = 0.0
     migration_steps: list[tuple[int, float]] = field(default_factory=list)
+    step_parts: list[list[int]] = field(default_factory=list)
     packs: int = 0
     pack_steps: list[int] = field(default_factory=list)
     node_s: float = 0.0
@@ -380,6 +383,7 @@ class _Timeline:
             migrations=self.migrations,
             migration_s=self.migration_s,
             migration_steps=list(self.migration_steps),
+            step_parts=self.step_parts,
             packs=self.packs,
             pack_steps=list(self.pack_steps),
             node_s=self.node_s,
@@ -411,6 +415,7 @@ def _run_interval(
     ratios = [per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)]
     simulated = _step_times_s(report, timeline.parts, setup, ratios)
     timeline.step_times_s.extend(simulated[k] for k in ratios)
+    timeline.step_parts.extend([timeline.parts] * steps)
     num_nodes = nodes_for(len(timeline.parts) - 1, setup.packing.ranks_per_node)
     timeline.node_s += sum(simulated[k] for k in ratios) * num_nodes
     # The interval's last step is a report step (the trainer also reports after the last).
