@@ -24,7 +24,8 @@ seconds, as in a run):
 - **imbalance**: the static split's heaviest stage over the mean stage (layer compute only): the
   gain a perfect split of divisible work would give.
 - **granularity** = mean stage / the min-max split's heaviest stage (<= 1): what whole layers
-  cost (a layer heavier than a mean stage caps every split).
+  cost (no contiguous split of whole layers reaches the mean; a layer heavier than a mean stage
+  caps every split).
 - **pipeline** = ceiling / (imbalance x granularity): what fill, drain and transfers take.
 - **decisions** = achieved without migrations / ceiling: the partitions the balancer ran, decided
   at the previous report on smoothed costs and only when the gain beat its margin (diffusion: one
