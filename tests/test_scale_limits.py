@@ -93,7 +93,7 @@ def test_a_migration_in_the_steady_state_is_its_own_factor() -> None:
     product = lim.ceiling * lim.decisions * lim.migrations
     assert product == pytest.approx(lim.achieved)
     text = what_limits(lim)
-    assert text.startswith("below the ceiling by") and "decisions on past costs" in text
+    assert text.startswith("below the ceiling by") and "partitions chosen on past costs" in text
     assert "migrations" in text
 
 
@@ -127,8 +127,13 @@ def test_the_limit_in_words() -> None:
     below = _limits(achieved=1.2, decisions=0.9, migrations=1.2 / (1.53 * 0.9))
     text = what_limits(below)
     assert text.startswith("below the ceiling by 22% (1.20 of 1.53): migrations 13%")
-    assert text.endswith("decisions on past costs 10%")
+    assert text.endswith("partitions chosen on past costs 10%")
     assert _limits(imbalance=1.0, pipeline=1.0).capture is None
+    slower = _limits(achieved=0.97, imbalance=1.0, pipeline=1.0, decisions=0.98, migrations=0.99)
+    assert what_limits(slower) == (
+        "nothing to gain: the megatron split is within 1% of the best partition (ceiling 1.00); "
+        "ours 3% slower: partitions chosen on past costs 2%, migrations 1%"
+    )
 
 
 def test_the_named_difference_from_the_paper() -> None:

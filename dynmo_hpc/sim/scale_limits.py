@@ -27,9 +27,10 @@ seconds, as in a run):
   cost (no contiguous split of whole layers reaches the mean; a layer heavier than a mean stage
   caps every split).
 - **pipeline** = ceiling / (imbalance x granularity): what fill, drain and transfers take.
-- **decisions** = achieved without migrations / ceiling: the partitions the balancer ran, decided
-  at the previous report on smoothed costs and only when the gain beat its margin (diffusion: one
-  phase a report), against the best partition for the costs in force.
+- **decisions** = achieved without migrations / ceiling: the partitions the balancer ran, chosen
+  at the previous report on smoothed costs (min-max of layer compute, which is not always the
+  fastest pipeline) and enacted only when the gain beat its margin (diffusion: one phase a
+  report), against the best partition for the costs in force.
 - **migrations** = achieved / achieved without the steady state's migration seconds.
 
 Invariant: the product of the factors is the achieved speedup (up to rounding). Pure: no I/O.
@@ -174,11 +175,16 @@ def what_limits(limits: RowLimits) -> str:
     """The row's limit in words, from its factors (see the module docstring)."""
     lim = limits
     pair = f"{lim.achieved:.2f} of {lim.ceiling:.2f}"
+    losses = [("partitions chosen on past costs", lim.decisions), ("migrations", lim.migrations)]
+    named = [f"{name} {1 - f:.0%}" for name, f in sorted(losses, key=lambda x: x[1]) if f < 0.995]
     if lim.ceiling < 1.0 + NO_ROOM:
-        return (
-            f"nothing to gain: {lim.best_static}'s split is within {NO_ROOM:.0%} of the best "
+        text = (
+            f"nothing to gain: the {lim.best_static} split is within {NO_ROOM:.0%} of the best "
             f"partition (ceiling {lim.ceiling:.2f})"
         )
+        if lim.achieved < 1.0 - NO_ROOM:
+            text += f"; ours {1 - lim.achieved:.0%} slower: " + ", ".join(named)
+        return text
     if lim.achieved >= lim.ceiling * (1.0 - AT_CEILING):
         capped = _ceiling_caps(lim)
         if not capped:
@@ -187,8 +193,6 @@ def what_limits(limits: RowLimits) -> str:
             f"at the ceiling ({pair}): no partition does better; of the trajectory's imbalance "
             f"({lim.imbalance:.2f}x), {capped}"
         )
-    losses = [("decisions on past costs", lim.decisions), ("migrations", lim.migrations)]
-    named = [f"{name} {1 - f:.0%}" for name, f in sorted(losses, key=lambda x: x[1]) if f < 0.995]
     gap = 1.0 - lim.achieved / lim.ceiling
     return f"below the ceiling by {gap:.0%} ({pair}): " + (", ".join(named) or "rounding")
 
