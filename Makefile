@@ -21,7 +21,7 @@ TYPECHECK_PATHS := dynmo_hpc/balance dynmo_hpc/config dynmo_hpc/errors.py dynmo_
 	dynmo_hpc/isolation.py dynmo_hpc/launch/failure.py dynmo_hpc/launch/supervisor.py \
 	dynmo_hpc/handoff dynmo_hpc/report_cycle.py dynmo_hpc/placement.py \
 	dynmo_hpc/testing/fault_injection.py dynmo_hpc/sim/__init__.py dynmo_hpc/sim/orders.py \
-	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/oversubscribed_cpu.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/heldout.py dynmo_hpc/sim/cost_model.py dynmo_hpc/sim/cost_ops.py dynmo_hpc/sim/scale.py dynmo_hpc/runlog/trajectory.py dynmo_hpc/bench/algorithms.py \
+	dynmo_hpc/sim/step.py dynmo_hpc/sim/shared_cores.py dynmo_hpc/sim/wakeup.py dynmo_hpc/sim/replay.py dynmo_hpc/sim/oversubscribed_cpu.py dynmo_hpc/sim/machine.py dynmo_hpc/sim/heldout.py dynmo_hpc/sim/cost_model.py dynmo_hpc/sim/cost_ops.py dynmo_hpc/sim/scale.py dynmo_hpc/sim/scale_limits.py dynmo_hpc/runlog/trajectory.py dynmo_hpc/bench/algorithms.py \
 	dynmo_hpc/bench/measure.py dynmo_hpc/bench/summary.py dynmo_hpc/pipeline/migration/host_memory.py dynmo_hpc/train/capacity.py \
 	dynmo_hpc/bench/ab.py dynmo_hpc/bench/ab_summary.py dynmo_hpc/bench/ceiling.py dynmo_hpc/train/ab_arms.py \
 	dynmo_hpc/calibrate/short_runs.py dynmo_hpc/bench/scripts.py \

@@ -13,7 +13,10 @@ What it does, in order:
   3. for each held-out pair (X, Y), predicts Y's median step time and the speedup Y/X from X's
      load reports alone, under Y's settings (stages, microbatches, algorithm), with that machine
      file: the same computation as `dynmo-hpc simulate --from X --predict Y --machine FILE`;
-     Y's measured wall times are read only to be compared against;
+     Y's measured wall times are read only to be compared against; for each scheme pair
+     (T, X, Y) of SCHEME_PAIRS (natural pruning, freezing, early exit: X static, Y optimal),
+     both X and Y from a third run T's load reports (DynMo's speedup X/Y from another run's
+     trace, neither run's own costs);
   4. prints the table (and the hidden case: `dynmo-hpc simulate --from HIDDEN --machine FILE`),
      writes it as JSON (--json-out) and as a markdown table to paste into docs/simulate.md
      (--markdown-out).
@@ -131,6 +134,31 @@ PAIRS: tuple[tuple[str, str], ...] = (
 """(source X, target Y): Y predicted from X's load reports under Y's settings. A packing target
 is compared on its steps after its first pack (:func:`dynmo_hpc.sim.heldout.after_pack_s`)."""
 
+NATURAL_STEPS = 50
+"""The natural scheme runs' steps: past pruning's last step (45), freezing's and early exit's
+steady state (40)."""
+ANOTHER_SEED = ("job.seed=7",)
+"""The trace run of a scheme pair: the same job and settings as its static run, trained from
+another seed (its own weights, so its own pruned structures, frozen blocks and exits)."""
+SCHEME_RUNS: tuple[ShortRun, ...] = tuple(
+    ShortRun(name, f"natural/{scheme}", 2, 8, algorithm, steps=NATURAL_STEPS, extra=extra)
+    for scheme in ("pruning", "freezing", "early_exit")
+    for name, algorithm, extra in (
+        (f"nat_{scheme}_p2_m8_trace", "static", ANOTHER_SEED),
+        (f"nat_{scheme}_p2_m8", "static", ()),
+        (f"nat_{scheme}_p2_m8_optimal", "optimal", ()),
+    )
+)
+"""The natural scheme jobs (jobs/natural/), each three times at 2 stages: a trace run, static,
+and optimal."""
+
+SCHEME_PAIRS: tuple[tuple[str, str, str], ...] = tuple(
+    (f"nat_{s}_p2_m8_trace", f"nat_{s}_p2_m8", f"nat_{s}_p2_m8_optimal")
+    for s in ("pruning", "freezing", "early_exit")
+)
+"""(trace T, static X, DynMo Y): X's and Y's steps, so DynMo's speedup X/Y, predicted from T's
+load reports alone, neither run's own costs."""
+
 HIDDEN = "imbalanced_p3_m6"
 """The issue's hidden case: jobs/imbalanced.yaml, 3 stages, 6 microbatches, static."""
 
@@ -184,17 +212,26 @@ def repeated(runs: tuple[ShortRun, ...], repeats: int) -> tuple[ShortRun, ...]:
 
 
 def pair_row(
-    logs: dict[str, RunLog], machine: MachineModel, source: str, target: str, repeats: int
+    logs: dict[str, RunLog],
+    machine: MachineModel,
+    source: str,
+    target: str,
+    repeats: int,
+    trace: str | None = None,
 ) -> HeldOutRow:
-    """The pair's row: repeat r of ``target`` predicted from repeat r of ``source``, then the
-    medians over repeats (:func:`dynmo_hpc.sim.heldout.median_row`). A repeat whose
+    """The pair's row: repeat r of ``target`` (and of ``source``) predicted from repeat r of
+    ``source``, or of ``trace`` when given, then the medians over repeats
+    (:func:`dynmo_hpc.sim.heldout.median_row`). A repeat whose
     prediction packed differently from its target (:class:`PackingMismatch`) is left out of
     the medians and counted in the row, which then counts as a miss; if every repeat's did,
     the row has the measured steps only (predictions NaN), and says so."""
     rows, mismatches = [], []
-    for x, y in zip(repeat_names(source, repeats), repeat_names(target, repeats), strict=True):
+    traces = repeat_names(trace, repeats) if trace is not None else [None] * repeats
+    names = zip(repeat_names(source, repeats), repeat_names(target, repeats), traces, strict=True)
+    for x, y, t in names:
+        with_trace = {} if t is None else {"trace": (t, logs[t])}
         try:
-            rows.append(predict_pair(logs[x], logs[y], machine, (x, y)))
+            rows.append(predict_pair(logs[x], logs[y], machine, (x, y), **with_trace))
         except PackingMismatch as exc:
             mismatches.append(str(exc))
     if not rows:
@@ -204,7 +241,9 @@ def pair_row(
             file=sys.stderr,
         )
         return _unpredicted_row(logs, source, target, repeats)
-    row = median_row([dataclasses.replace(r, source=source, target=target) for r in rows])
+    row = median_row(
+        [dataclasses.replace(r, source=source, target=target, trace=trace or "") for r in rows]
+    )
     return dataclasses.replace(row, mispredicted_repeats=len(mismatches))
 
 
@@ -318,19 +357,21 @@ def markdown(
         f"{'none' if over is None else f'{over:.3f}'}); "
         f"measured {time.strftime('%Y-%m-%d %H:%M')}",
         "",
-        "| source X | target Y | P | M | algorithm | Y measured s | Y predicted s | error "
-        "| speedup X/Y measured | predicted | error | other load X / Y |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| source X | target Y | costs from | P | M | algorithm | Y measured s | Y predicted s "
+        "| error | speedup X/Y measured | predicted | error | other load X / Y |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         t = r.target_settings
         lines.append(
-            f"| {r.source} | {r.target} | {t.num_stages} | {t.num_microbatches} | {t.algorithm} "
+            f"| {r.source} | {r.target} | {r.trace or 'X'} | {t.num_stages} "
+            f"| {t.num_microbatches} | {t.algorithm} "
             f"| {r.measured_target_s:.4f} | {r.predicted_target_s:.4f} | {r.step_error:+.1%}"
             f"{_mispredicted_note(r)} "
             f"| {r.measured_speedup:.3f} | {r.predicted_speedup:.3f} | {r.speedup_error:+.1%} "
             f"| {load_of[r.source]:.2f} / {load_of[r.target]:.2f} |"
         )
+    scheme_rows = [r for r in rows if r.trace]
     predicted = [r for r in rows if math.isfinite(r.predicted_target_s)]
     worst_step = max((abs(r.step_error) for r in predicted), default=math.nan)
     worst_speedup = max((abs(r.speedup_error) for r in predicted), default=math.nan)
@@ -351,7 +392,19 @@ def markdown(
         f"{TOLERANCE:.0%} on both the step time and the speedup** (a pair with a repeat whose "
         "prediction packed to another stage count than its target counts as a miss). "
         f"Worst step-time error {worst_step:.1%}, worst speedup error {worst_speedup:.1%} over "
-        f"the {len(predicted)} held-out pairs with a prediction.",
+        f"the {len(predicted)} held-out pairs with a prediction."
+        + (
+            f" Scheme pairs (X and Y predicted from a third run's costs): "
+            f"{sum(r.within(TOLERANCE) for r in scheme_rows)} of {len(scheme_rows)} within "
+            f"{TOLERANCE:.0%}; DynMo's speedup measured / predicted: "
+            + ", ".join(
+                f"{r.target} {r.measured_speedup:.3f} / {r.predicted_speedup:.3f}"
+                for r in scheme_rows
+            )
+            + "."
+            if scheme_rows
+            else ""
+        ),
         "",
         f"Hidden case (`{hidden['command']}`): measured {hidden['measured_step_s']:.4f} s, "
         f"predicted {hidden['predicted_step_s']:.4f} s, {hidden['ratio']:.3f}x."
@@ -415,10 +468,22 @@ def main() -> None:
         help="smallest set that exercises every part (2 calibration runs, the first pair, the "
         "hidden case; 8 steps each): checks the script runs, its figures are not the table's",
     )
+    parser.add_argument(
+        "--pairs",
+        choices=("all", "classic", "scheme"),
+        default="all",
+        help="which held-out pairs: the classic ones (PAIRS), the natural scheme pairs "
+        "predicted from a third run (SCHEME_PAIRS), or both; the hidden case always",
+    )
     args = parser.parse_args()
     os.environ["DYNMO_LOG_LEVEL"] = "WARNING"
     base = load_machine(args.base_machine)
     calibration, held_out, pairs = CALIBRATION, HELD_OUT, PAIRS
+    scheme_runs, scheme_pairs = SCHEME_RUNS, SCHEME_PAIRS
+    if args.pairs == "scheme":
+        held_out, pairs = tuple(r for r in HELD_OUT if r.name == HIDDEN), ()
+    if args.pairs == "classic" or args.quick:
+        scheme_runs, scheme_pairs = (), ()
     if args.quick:
         calibration, pairs = CALIBRATION[:2], PAIRS[:1]
         needed = {HIDDEN, *pairs[0]}
@@ -429,6 +494,7 @@ def main() -> None:
         raise SystemExit(f"error: --repeats {args.repeats} must be >= 1")
     calibration = repeated(calibration, args.repeats)
     paths: dict[str, Path] = {}
+    held_out = (*held_out, *scheme_runs)
     for run in (*calibration, *repeated(held_out, args.repeats)):
         paths[run.name] = ensure_run(run, args.runs_dir)
         if args.rerun_loaded and external_ratio(load(paths[run.name]), base) > LOADED:
@@ -449,6 +515,7 @@ def main() -> None:
         machine_file = args.write_machine or Path(tmp) / "machine.json"
         save_machine(machine, machine_file)
         rows = [pair_row(logs, machine, x, y, args.repeats) for x, y in pairs]
+        rows += [pair_row(logs, machine, x, y, args.repeats, t) for t, x, y in scheme_pairs]
         hidden = hidden_case(paths[HIDDEN], machine_file)
         if args.repeats > 1:
             names = repeat_names(HIDDEN, args.repeats)

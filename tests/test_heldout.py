@@ -272,6 +272,28 @@ def test_prediction_never_reads_the_targets_wall_times(
 
 
 @pytest.mark.slow
+def test_a_trace_replaces_both_runs_own_costs(runs: dict[str, Path]) -> None:
+    """With a trace, source and target are both predicted from the trace's load reports: the
+    same numbers as replaying the trace under each run's settings; a trace of another job is
+    refused."""
+    machine = MachineModel(overheads=Overheads(step_s=0.004), cores=2.0)
+    source, target, trace = load(runs["src"]), load(runs["p3"]), load(runs["p3"])
+    row = predict_pair(source, target, machine, ("src", "p3"), trace=("t", trace))
+    traces = traces_from_runlog(trace)
+    for settings_of, predicted in (
+        (source, row.predicted_source_s),
+        (target, row.predicted_target_s),
+    ):
+        expected = predict(traces, target_settings(settings_of.config), machine)
+        assert predicted == expected.median_step_time_s
+    assert row.trace == "t" and row.measured_source_s == measured_step_s(source)
+    own = predict_pair(source, target, machine, ("src", "p3"))
+    assert own.trace == "" and own.predicted_source_s != row.predicted_source_s
+    with pytest.raises(ValueError, match="not the same job"):
+        predict_pair(source, target, machine, ("src", "p3"), trace=("o", load(runs["other"])))
+
+
+@pytest.mark.slow
 def test_fit_machine_uses_only_the_calibration_runs(runs: dict[str, Path], tmp_path: Path) -> None:
     """Corrupting a run that is not in the calibration set changes nothing in the fit; the
     calibration runs' own wall times do move it (so the fit reads what it should)."""
@@ -455,6 +477,18 @@ def test_heldout_script_keeps_calibration_and_held_out_apart(tmp_path: Path) -> 
     assert {held_out[y].num_stages for _, y in pairs} >= {2, 3}
     assert {held_out[y].algorithm for _, y in pairs} >= {"static", "optimal", "diffusion"}
     hidden = script.run_config(held_out[script.HIDDEN], tmp_path)  # type: ignore[attr-defined]
+    # The scheme pairs: X and Y predicted from a third run T of the same natural job.
+    scheme_runs = {r.name: r for r in script.SCHEME_RUNS}  # type: ignore[attr-defined]
+    assert not set(scheme_runs) & (calibration | set(held_out))
+    jobs = set()
+    for t, x, y in script.SCHEME_PAIRS:  # type: ignore[attr-defined]
+        assert len({t, x, y}) == 3
+        cfgs = [script.run_config(scheme_runs[r], tmp_path) for r in (t, x, y)]  # type: ignore[attr-defined]
+        assert cfgs[0].job.seed != cfgs[1].job.seed == cfgs[2].job.seed  # T trained on its own
+        assert [c.balance.algorithm for c in cfgs] == ["static", "static", "optimal"]
+        assert len({scheme_runs[r].job for r in (t, x, y)}) == 1
+        jobs.add(scheme_runs[x].job)
+    assert jobs == {"natural/pruning", "natural/freezing", "natural/early_exit"}
     assert hidden.model.layer_d_ff is not None  # jobs/imbalanced.yaml
     assert (hidden.pipeline.num_stages, hidden.train.num_microbatches) == (3, 6)
     assert hidden.balance.algorithm == "static"
@@ -557,6 +591,56 @@ def test_a_repeat_predicting_another_packing_decision_is_a_miss_not_a_crash(
     )
     monkeypatch.setattr(script, "_unpredicted_row", lambda *a: ("measured only", *a[1:]))
     assert script.pair_row(logs, None, "x", "y", 3) == ("measured only", "x", "y", 3)  # type: ignore[attr-defined]
+
+
+def test_a_scheme_pair_predicts_both_runs_from_its_trace_repeat_by_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """heldout_sim's scheme pair: repeat r of X and Y predicted from repeat r of the trace T;
+    the row names T; a classic pair passes no trace (its source's own costs)."""
+    script: object = _heldout_script()
+    settings = target_settings(
+        {
+            "pipeline": {"num_stages": 2, "schedule": "1f1b"},
+            "train": {"num_microbatches": 8, "steps": 50},
+            "balance": {"algorithm": "optimal", "interval": 5, "margin": 0.1, "smoothing": 0.5},
+        }
+    )
+    calls: list[tuple[str, str, str | None]] = []
+
+    def fake_predict(
+        source: str,
+        target: str,
+        _machine: object,
+        names: tuple[str, str],
+        trace: tuple[str, str] | None = None,
+    ) -> HeldOutRow:
+        calls.append((source, target, None if trace is None else trace[0]))
+        assert trace is None or trace[1] == trace[0]  # the trace's own log
+        return HeldOutRow(
+            source=names[0],
+            target=names[1],
+            target_settings=settings,
+            measured_source_s=1.2,
+            measured_target_s=1.0,
+            predicted_source_s=1.1,
+            predicted_target_s=1.0,
+            trace="" if trace is None else trace[0],
+        )
+
+    monkeypatch.setattr(script, "predict_pair", fake_predict)
+    logs = {n: n for n in ("t", "t_r1", "x", "x_r1", "y", "y_r1")}
+    row = script.pair_row(logs, None, "x", "y", 2, "t")  # type: ignore[attr-defined]
+    assert calls == [("x", "y", "t"), ("x_r1", "y_r1", "t_r1")]
+    assert (row.source, row.target, row.trace) == ("x", "y", "t")
+    assert row.to_json()["trace"] == "t"
+    assert row.measured_speedup == pytest.approx(1.2) and row.predicted_speedup == pytest.approx(
+        1.1
+    )
+    calls.clear()
+    classic = script.pair_row(logs, None, "x", "y", 1)  # type: ignore[attr-defined]
+    assert calls == [("x", "y", None)] and classic.trace == ""
+    assert classic.to_json()["trace"] == "x"
 
 
 def test_heldout_script_makes_its_repeats_in_rounds() -> None:

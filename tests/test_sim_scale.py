@@ -1,6 +1,7 @@
 """A run's scheme trajectory on a larger model (:mod:`dynmo_hpc.sim.scale`), ``dynmo-hpc
 simulate --model`` on a tiny real run with its error paths, and the pure parts of
-``benchmarks/sim_scale.py`` (the table's reasons, the generated-section markers)."""
+``benchmarks/sim_scale.py`` (the mapping per job, the table's columns, the generated-section
+markers)."""
 
 from __future__ import annotations
 
@@ -127,8 +128,14 @@ def test_megatron_and_parameters_speedups_on_an_imbalanced_trajectory() -> None:
     optimal = result.speedups["optimal"]
     assert optimal["megatron"].steady_max > 1.1  # the pruned half is cheap: rebalancing pays
     assert optimal["parameters"].steady_max > 1.0
-    assert result.megatron_ceiling > optimal["megatron"].steady_max * 0.9
-    assert set(result.median_step_s) == {"megatron", "parameters", "optimal"}
+    lim = result.limits
+    assert lim is not None and lim.best_balancer == "optimal"
+    assert lim.ceiling > optimal[lim.best_static].steady_max * 0.9
+    product = lim.imbalance * lim.granularity * lim.pipeline * lim.decisions * lim.migrations
+    assert product == pytest.approx(lim.achieved)
+    assert lim.decisions <= 1.0 + 1e-12  # the partitions it ran are among the ceiling's
+    assert set(result.median_step_s) == {"megatron", "uniform", "parameters", "optimal"}
+    assert set(result.speedups["optimal"]) == {"megatron", "uniform", "parameters"}
 
 
 def test_a_plain_trajectory_gains_nothing_over_megatron_at_even_splits() -> None:
@@ -231,12 +238,53 @@ def _script() -> ModuleType:
 sim_scale = _script()
 
 
-def test_the_reason_is_computed_from_the_ceiling() -> None:
-    assert sim_scale.shortfall(1.5, 1.2, 1.6, 2.0) == "-"
-    assert sim_scale.shortfall(1.5, None, 1.6, 2.0) == "-"
-    low = sim_scale.shortfall(1.3, 4.52, 1.4, 2.5)
-    assert "1.40x the mean" in low and "4.52x needs it >= 4.52x" in low
-    assert "allows it" in sim_scale.shortfall(1.3, 1.5, 1.8, 2.5)
+@pytest.mark.parametrize(
+    ("job", "mapping"),
+    [
+        ("natural/mod", "periodic"),
+        ("natural/moe", "periodic"),
+        ("natural/pruning", "depth"),
+        ("natural/early_exit", "depth"),
+        ("stress/mod", "depth"),  # the upper half: a band keeps its relative depth
+        ("stress/moe", "depth"),  # every other block of the upper half only
+    ],
+)
+def test_the_mapping_follows_the_jobs_placement(job: str, mapping: str) -> None:
+    import yaml
+
+    assert sim_scale.mapping_for(yaml.safe_load((ROOT / f"jobs/{job}.yaml").read_text())) == mapping
+
+
+def test_mod_alternates_by_default() -> None:
+    job = {"model": {"num_blocks": 8}, "schemes": {"mod": {"layers": None}}}
+    assert sim_scale.mapping_for(job) == "periodic"
+    job["schemes"] = {"moe": {"layers": None}}  # MoE's default: every block
+    assert sim_scale.mapping_for(job) == "depth"
+
+
+def test_the_table_shows_every_baseline_the_ceiling_and_the_limit() -> None:
+    from dynmo_hpc.cli.simulate_scale import limits_json, result_json
+
+    reports = scale_reports(_imbalanced_trajectory(8), _shapes(16), RATES, 8)
+    setup = ReplaySetup(num_stages=4, num_microbatches=8, interval=5, num_steps=20, margin=0.0)
+    result = simulate_stages(reports, setup, ["optimal", "diffusion"], steady_from_step=5)
+    row = {**result_json(result), "limits": limits_json(result, 3.18)}
+    rows = [{"scheme": "pruning", "jobs": "jobs/natural", "results": [row]}]
+    paper = {"speedup_up_to": {"pruning": 3.18}}
+    text = sim_scale.table(rows, paper)
+    header, _, line = text.splitlines()
+    for baseline in ("megatron", "uniform", "parameters"):
+        assert f"over `{baseline}`" in header
+    assert "what limits this row" in header and "the difference from the paper" in header
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(cells) == len([c for c in header.strip("|").split("|")])
+    lim = row["limits"]
+    assert cells[5] == f"`{lim['best_static']}`"
+    assert cells[8] == f"{lim['capture']:.2f}" and cells[9] == lim["what_limits"]
+    assert cells[10] == "3.18" and cells[11].startswith("the trajectory:")
+    summary = sim_scale.summary_row(rows, paper, [4])
+    assert summary.startswith(sim_scale.SUMMARY_ROW) and "`jobs/natural`" in summary
+    assert f"pruning {lim['achieved']:.2f}-{lim['achieved']:.2f}" in summary
 
 
 def test_generated_sections_are_replaced_between_markers() -> None:
@@ -261,3 +309,7 @@ def test_the_repository_has_the_markers_and_the_paper_file() -> None:
     assert set(paper["speedup_up_to"]) <= set(sim_scale.SCHEMES)
     for scheme in sim_scale.SCHEMES:
         assert (sim_scale.MODELS / f"{scheme}.yaml").is_file()
+        for jobs in ("natural", "stress"):
+            assert sim_scale.job_path(ROOT / "jobs" / jobs, scheme).is_file()
+    with pytest.raises(ValueError, match="HINT: --jobs-dir takes a job set"):
+        sim_scale.job_path(ROOT / "jobs", "no_such_scheme")

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ from dynmo_hpc.errors import DynmoError
 from dynmo_hpc.sim.cost_model import layer_shapes
 from dynmo_hpc.sim.machine import load_machine
 from dynmo_hpc.sim.replay import ReplaySetup
-from dynmo_hpc.sim.scale import MAPPINGS, StageResult, scale_reports, simulate_stages
+from dynmo_hpc.sim.scale import BASELINES, MAPPINGS, StageResult, scale_reports, simulate_stages
+from dynmo_hpc.sim.scale_limits import paper_difference, what_limits
 from dynmo_hpc.sim.step import transfer_time_s
 
 HINT = "see dynmo-hpc simulate --help (docs/simulate.md, 'At scale')"
@@ -158,13 +160,28 @@ def scale_results(args: argparse.Namespace) -> tuple[dict[str, Any], list[StageR
     return summary, results
 
 
+def limits_json(result: StageResult, paper: float | None = None) -> dict[str, Any] | None:
+    """The stage count's :class:`~dynmo_hpc.sim.scale_limits.RowLimits` as plain JSON, with its
+    ceiling, capture, the limit in words and (``paper``: an "up to" figure) the difference."""
+    lim = result.limits
+    if lim is None:
+        return None
+    return {
+        **dataclasses.asdict(lim),
+        "ceiling": lim.ceiling,
+        "capture": lim.capture,
+        "what_limits": what_limits(lim),
+        "paper_difference": paper_difference(lim, paper),
+    }
+
+
 def result_json(result: StageResult) -> dict[str, Any]:
     """One stage count as plain JSON."""
     return {
         "stages": result.num_stages,
         "microbatches": result.num_microbatches,
         "median_step_s": result.median_step_s,
-        "megatron_ceiling": result.megatron_ceiling,
+        "limits": limits_json(result),
         "block_spread": result.block_spread,
         "speedup": {
             a: {b: {"median": s.median, "steady_max": s.steady_max} for b, s in per.items()}
@@ -188,15 +205,16 @@ def run_scale(args: argparse.Namespace) -> int:
         f"microbatches; trajectory of {summary['run']} ({summary['reports']} reports, "
         f"{summary['mapping']} mapping, steady from step {summary['steady_from_step']})"
     )
-    print(
-        f"{'stages':>6} {'algorithm':<11}{'step_s':>11}  {'/megatron med':>13}{'max':>7}"
-        f"  {'/parameters med':>15}{'max':>7}"
-    )
+    head = "".join(f"  {'/' + b + ' med':>15}{'max':>7}" for b in BASELINES)
+    print(f"{'stages':>6} {'algorithm':<11}{'step_s':>11}{head}")
     for r in results:
         for a, per in r.speedups.items():
-            mg, pa = per["megatron"], per["parameters"]
+            cells = "".join(f"  {per[b].median:>15.3f}{per[b].steady_max:>7.3f}" for b in BASELINES)
+            print(f"{r.num_stages:>6} {a:<11}{r.median_step_s[a]:>11.4g}{cells}")
+        if r.limits is not None:
+            lim = r.limits
             print(
-                f"{r.num_stages:>6} {a:<11}{r.median_step_s[a]:>11.4g}  {mg.median:>13.3f}"
-                f"{mg.steady_max:>7.3f}  {pa.median:>15.3f}{pa.steady_max:>7.3f}"
+                f"{r.num_stages:>6} {lim.best_balancer} over {lim.best_static} (steady state): "
+                f"{what_limits(lim)}"
             )
     return 0

@@ -211,6 +211,9 @@ class HeldOutRow:
     mispredicted_repeats: int = 0
     """Repeats of the pair whose prediction packed to another stage count than the target
     (:class:`PackingMismatch`): left out of the medians, and the pair counts as a miss."""
+    trace: str = ""
+    """The run whose load reports both predictions replay; empty: the source's own (then
+    ``predicted_source_s`` replays the source's own costs)."""
 
     @property
     def step_error(self) -> float:
@@ -234,6 +237,7 @@ class HeldOutRow:
         return {
             "source": self.source,
             "target": self.target,
+            "trace": self.trace or self.source,
             "stages": self.target_settings.num_stages,
             "microbatches": self.target_settings.num_microbatches,
             "algorithm": self.target_settings.algorithm,
@@ -311,12 +315,21 @@ def _predicted_after_pack_s(result: ReplayResult, target: RunLog, name: str) -> 
 
 
 def predict_pair(
-    source: RunLog, target: RunLog, machine: MachineModel, names: tuple[str, str]
+    source: RunLog,
+    target: RunLog,
+    machine: MachineModel,
+    names: tuple[str, str],
+    trace: tuple[str, RunLog] | None = None,
 ) -> HeldOutRow:
-    """Predict ``target`` from ``source``'s load reports on ``machine``; read the target's
-    measured step only for the comparison column."""
+    """Predict ``target`` (and ``source``, for the speedup) from ``source``'s load reports on
+    ``machine``, or from ``trace``'s (a third run of the same job, named): then neither run's
+    own costs enter its prediction. The measured steps are read only for the comparison
+    columns."""
     check_same_job(source.config, target.config, names)
-    traces = traces_from_runlog(source)
+    trace_name, trace_run = trace if trace is not None else (names[0], source)
+    if trace is not None:
+        check_same_job(trace_run.config, source.config, (trace_name, names[0]))
+    traces = traces_from_runlog(trace_run)
     settings = target_settings(target.config, names[1], traces.measured_restart_s)
     own = target_settings(source.config, names[0], traces.measured_restart_s)
     predicted = predict(traces, settings, machine)
@@ -333,6 +346,7 @@ def predict_pair(
         measured_target_s=measured_target_s,
         predicted_source_s=predict(traces, own, machine).median_step_time_s,
         predicted_target_s=predicted_target_s,
+        trace="" if trace is None else trace_name,
     )
 
 

@@ -219,6 +219,10 @@ class ReplayResult:
     """Partitions enacted (rebalancing algorithms only)."""
     migration_s: float = 0.0
     """Seconds spent migrating, over the whole run."""
+    migration_steps: list[tuple[int, float]] = field(default_factory=list)
+    """Per migration: the (0-based) report step it was charged to and its seconds."""
+    step_parts: list[list[int]] = field(default_factory=list)
+    """Per step, the partition it ran on."""
     packs: int = 0
     """Resizes onto fewer stages (``packing`` only)."""
     pack_steps: list[int] = field(default_factory=list)
@@ -283,6 +287,13 @@ def _step_times_s(
             poll_yield_s=setup.poll_yield_s,
         ).step_time_s
     return out
+
+
+def step_time_s(report: CostReport, parts: list[int], setup: ReplaySetup) -> float:
+    """One step on ``parts`` with ``report``'s costs at its typical load, as :func:`replay`
+    prices a step (a migration or a report's overhead aside)."""
+    k = report.wall_s_per_cpu_s
+    return _step_times_s(report, parts, setup, [k])[k]
 
 
 def time_sliced(
@@ -350,6 +361,8 @@ class _Timeline:
     step_times_s: list[float] = field(default_factory=list)
     migrations: int = 0
     migration_s: float = 0.0
+    migration_steps: list[tuple[int, float]] = field(default_factory=list)
+    step_parts: list[list[int]] = field(default_factory=list)
     packs: int = 0
     pack_steps: list[int] = field(default_factory=list)
     node_s: float = 0.0
@@ -369,6 +382,8 @@ class _Timeline:
             step_times_s=self.step_times_s,
             migrations=self.migrations,
             migration_s=self.migration_s,
+            migration_steps=list(self.migration_steps),
+            step_parts=self.step_parts,
             packs=self.packs,
             pack_steps=list(self.pack_steps),
             node_s=self.node_s,
@@ -400,6 +415,7 @@ def _run_interval(
     ratios = [per_step[j] if j < len(per_step) else report.wall_s_per_cpu_s for j in range(steps)]
     simulated = _step_times_s(report, timeline.parts, setup, ratios)
     timeline.step_times_s.extend(simulated[k] for k in ratios)
+    timeline.step_parts.extend([timeline.parts] * steps)
     num_nodes = nodes_for(len(timeline.parts) - 1, setup.packing.ranks_per_node)
     timeline.node_s += sum(simulated[k] for k in ratios) * num_nodes
     # The interval's last step is a report step (the trainer also reports after the last).
@@ -430,6 +446,8 @@ def _rebalance(
         timeline.migrations += 1
         timeline.charge_report_step(decision.predicted_migration_s)
         timeline.migration_s += decision.predicted_migration_s
+        step = len(timeline.step_times_s) - 1
+        timeline.migration_steps.append((step, decision.predicted_migration_s))
 
 
 def _pack(

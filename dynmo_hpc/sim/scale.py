@@ -8,7 +8,8 @@ This module maps that state by relative depth onto the larger model's blocks, pr
 layer with the per-layer cost model (:func:`dynmo_hpc.sim.cost_model.layer_times_s` on a
 machine's :class:`~dynmo_hpc.sim.machine.LayerRates`) and replays each report under each
 balancing algorithm (:func:`dynmo_hpc.sim.replay.replay`), then compares step times with the
-static baselines ``megatron`` and ``parameters``.
+static baselines (``uniform``, ``megatron``, ``parameters``) and says what limits the best
+balancer's gain over the best of them (:mod:`dynmo_hpc.sim.scale_limits`).
 
 Invariants: the embedding keeps the run's embedding state and the head the run's head state;
 block ``j`` of ``B`` takes block ``floor(j N / B)`` of the run's ``N`` (``depth``: a prefix
@@ -19,7 +20,6 @@ keeps its parity). Pure: no I/O.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -28,11 +28,14 @@ from dataclasses import dataclass, replace
 from dynmo_hpc.sim.cost_model import LayerShape, SchemeState, layer_cost, layer_times_s
 from dynmo_hpc.sim.machine import LayerRates
 from dynmo_hpc.sim.replay import CostReport, ReplaySetup, replay
+from dynmo_hpc.sim.scale_limits import BALANCERS, STATIC_BASELINES, RowLimits, row_limits
 
 MAPPINGS = ("depth", "periodic")
 """How the run's blocks are laid over the larger model's (see the module docstring)."""
-BASELINES = ("megatron", "parameters")
-"""The static splits speedups are quoted against."""
+BASELINES = STATIC_BASELINES
+"""The static splits speedups are quoted against: Megatron-LM's even blocks (``megatron``), its
+variant with the embedding and loss counted as layers (``uniform``), DeepSpeed's
+(``parameters``)."""
 BYTES_PER_PARAM_TRAINED = 16
 """Bytes a parameter migrates with: fp32 value, gradient and AdamW's two moments."""
 MIN_FRACTION = 1e-6
@@ -156,9 +159,9 @@ class StageResult:
     median_step_s: dict[str, float]
     speedups: dict[str, dict[str, Speedup]]
     """``speedups[algorithm][baseline]``."""
-    megatron_ceiling: float
-    """At the last report: the heaviest stage of ``megatron``'s split over the mean stage load,
-    the most any re-partitioning of those costs onto as many stages could gain (bubble aside)."""
+    limits: RowLimits | None
+    """The best balancer's steady-state gain over the best static baseline, its ceiling and what
+    limits it (:mod:`dynmo_hpc.sim.scale_limits`); None when no balancer was replayed."""
     block_spread: float
     """At the last report: the heaviest block over the mean block (:func:`block_spread`)."""
 
@@ -174,13 +177,6 @@ def speedup(base_s: Sequence[float], algo_s: Sequence[float], steady_from: int) 
         median=statistics.median(base_s) / statistics.median(algo_s),
         steady_max=max(ratios) if ratios else math.nan,
     )
-
-
-def _ceiling(report: CostReport, parts: Sequence[int]) -> float:
-    costs = [f + b for f, b in zip(report.forward_s, report.backward_s, strict=True)]
-    loads = [sum(costs[a:b]) for a, b in itertools.pairwise(parts)]
-    mean = sum(costs) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
 
 
 def simulate_stages(
@@ -200,14 +196,16 @@ def simulate_stages(
         }
         for a in names
     }
-    last = replace(setup, num_steps=None, interval=1)
-    megatron_parts = replay([reports[-1]], last, "megatron").final_parts
     return StageResult(
         num_stages=setup.num_stages,
         num_microbatches=setup.num_microbatches,
         median_step_s={a: r.median_step_time_s for a, r in results.items()},
         speedups=speedups,
-        megatron_ceiling=_ceiling(reports[-1], megatron_parts),
+        limits=(
+            row_limits(reports, setup, results, steady_from_step)
+            if any(a in BALANCERS for a in names)
+            else None
+        ),
         block_spread=block_spread(reports[-1]),
     )
 
