@@ -179,10 +179,11 @@ def summary_row(rows: list[dict[str, Any]], paper: dict[str, Any], stages: list[
         )
     span = f"{min(stages)}-{max(stages)}"
     jobs = rows[0]["jobs"] if rows else "?"
+    baselines = ", ".join(f"`{name}`" for name in BASELINES)
     return (
         f"{SUMMARY_ROW} (`benchmarks/sim_scale.py`: the trajectories of `{jobs}` on a 128-block "
-        f"GPT, assumed H200) | best DynMo balancer over the best static baseline (`uniform`, "
-        f"`megatron`, `parameters`), steady state, at P = {span}: {'; '.join(parts)} "
+        f"GPT, assumed H200) | best DynMo balancer over the best static baseline ({baselines}), "
+        f"steady state, at P = {span}: {'; '.join(parts)} "
         "| [simulated at scale](#simulated-at-scale) |"
     )
 

@@ -150,7 +150,7 @@ def test_sim_scale_prints_json_and_table(run_dir: Path, tmp_path: Path) -> None:
     (result,) = row["results"]
     assert row["scheme"] == "plain" and row["blocks"] == 128 and result["stages"] == 8
     assert set(result["speedup"]) >= {"megatron", "uniform", "parameters", "optimal", "diffusion"}
-    assert result["limits"]["best_static"] in {"megatron", "uniform", "parameters"}
+    assert result["limits"]["best_static"] in {"megatron", "uniform", "parameters", "profiled"}
     table = run_script("sim_scale.py", *args)
     assert "| scheme | P | over `uniform` | over `megatron` | over `parameters` |" in table.stdout
     assert "| plain | 8 |" in table.stdout

@@ -27,6 +27,7 @@ from dynmo_hpc.sim.scale import (
     source_blocks,
     speedup,
 )
+from dynmo_hpc.sim.scale_limits import STATIC_BASELINES
 from tests.helpers.jobs import ROOT
 from tests.helpers.scheme_jobs import scheme_config, train_one_rank
 
@@ -134,8 +135,8 @@ def test_megatron_and_parameters_speedups_on_an_imbalanced_trajectory() -> None:
     product = lim.imbalance * lim.granularity * lim.pipeline * lim.decisions * lim.migrations
     assert product == pytest.approx(lim.achieved)
     assert lim.decisions <= 1.0 + 1e-12  # the partitions it ran are among the ceiling's
-    assert set(result.median_step_s) == {"megatron", "uniform", "parameters", "optimal"}
-    assert set(result.speedups["optimal"]) == {"megatron", "uniform", "parameters"}
+    assert set(result.median_step_s) == {"megatron", "uniform", "parameters", "profiled", "optimal"}
+    assert set(result.speedups["optimal"]) == {"megatron", "uniform", "parameters", "profiled"}
 
 
 def test_a_plain_trajectory_gains_nothing_over_megatron_at_even_splits() -> None:
@@ -273,15 +274,17 @@ def test_the_table_shows_every_baseline_the_ceiling_and_the_limit() -> None:
     paper = {"speedup_up_to": {"pruning": 3.18}}
     text = sim_scale.table(rows, paper)
     header, _, line = text.splitlines()
-    for baseline in ("megatron", "uniform", "parameters"):
+    for baseline in STATIC_BASELINES:  # a column over each registered static baseline
         assert f"over `{baseline}`" in header
     assert "what limits this row" in header and "the difference from the paper" in header
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert len(cells) == len([c for c in header.strip("|").split("|")])
+    names = [c.strip() for c in header.strip("|").split("|")]
+    cells = dict(zip(names, [c.strip() for c in line.strip("|").split("|")], strict=True))
     lim = row["limits"]
-    assert cells[5] == f"`{lim['best_static']}`"
-    assert cells[8] == f"{lim['capture']:.2f}" and cells[9] == lim["what_limits"]
-    assert cells[10] == "3.18" and cells[11].startswith("the trajectory:")
+    assert cells["best static"] == f"`{lim['best_static']}`"
+    assert cells["capture"] == f"{lim['capture']:.2f}"
+    assert cells["what limits this row"] == lim["what_limits"]
+    assert cells["paper (up to)"] == "3.18"
+    assert cells["the difference from the paper"].startswith("the trajectory:")
     summary = sim_scale.summary_row(rows, paper, [4])
     assert summary.startswith(sim_scale.SUMMARY_ROW) and "`jobs/natural`" in summary
     assert f"pruning {lim['achieved']:.2f}-{lim['achieved']:.2f}" in summary
