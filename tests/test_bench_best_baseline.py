@@ -96,7 +96,7 @@ def _row(
     )
 
 
-def test_the_best_of_three_static_splits_is_the_one_with_the_most_tokens_per_s() -> None:
+def test_the_best_of_three_static_splits_is_the_one_the_balancer_gains_least_over() -> None:
     rows = [
         _row("uniform", 0.5, [1.3, 1.4, 1.5], ceiling=1.6),  # 2000 tokens/s
         _row("megatron", 0.4, [1.2, 1.25, 1.3], ceiling=1.4),  # 2500 tokens/s
@@ -115,15 +115,23 @@ def test_the_best_of_three_static_splits_is_the_one_with_the_most_tokens_per_s()
     }
 
 
-def test_a_tie_goes_to_the_lower_gain_and_names_both() -> None:
+def test_the_gain_within_its_own_runs_decides_not_the_tokens_per_s_of_other_minutes() -> None:
+    # megatron's arm ran faster, in runs that met faster minutes; the balancer gains less over
+    # uniform within uniform's own runs, so uniform is the baseline that is hardest to beat.
+    rows = [_row("uniform", 0.5, [1.05, 1.1, 1.15]), _row("megatron", 0.4, [1.2, 1.25, 1.3])]
+    best = best_baseline(rows)
+    assert best is not None and best.static == "uniform" and best.tied == ()
+
+
+def test_a_shared_split_ties_and_names_both() -> None:
     # megatron reports uniform's runs (the same split): the same tokens/s and the same gain
     shared = [_row("uniform", 0.5), _row("megatron", 0.5, runs_of="uniform"), _row("parameters", 1)]
     best = best_baseline(shared)
     assert best is not None and best.names == ("uniform", "megatron")
-    # an exact tie between different splits: the one the balancer gains least over
+    # the same tokens/s but different gains: not a tie, the lower gain wins
     rows = [_row("uniform", 0.5, [1.3]), _row("parameters", 0.5, [1.1])]
     best = best_baseline(rows)
-    assert best is not None and best.names == ("parameters", "uniform")
+    assert best is not None and best.names == ("parameters",)
     assert best.row.comparison is not None and best.row.comparison.gain == pytest.approx(1.1)
 
 
@@ -132,7 +140,7 @@ def test_a_baseline_without_a_comparison_in_a_phase_takes_no_part() -> None:
         _row("uniform", 0.5, phase="ramp"),
         _row("parameters", None, phase="ramp"),  # no pair of blocks in the ramp
         _row("uniform", 0.5),
-        _row("parameters", 0.25),
+        _row("parameters", 0.25, [1.0, 1.05, 1.1]),
     ]
     ramp, steady = best_baselines(rows).values()
     assert ramp is not None and ramp.static == "uniform"
@@ -183,8 +191,8 @@ def test_headline_names_the_best_baseline_and_reports_the_gain_over_it() -> None
 
 def test_results_h5_carries_the_best_baseline_per_headline_line(tmp_path: Path) -> None:
     rows = [
-        _row("uniform", 0.5, ceiling=1.6),
-        _row("megatron", 0.5, ceiling=1.6, runs_of="uniform"),
+        _row("uniform", 0.5, [1.3, 1.4, 1.5], ceiling=1.6),
+        _row("megatron", 0.5, [1.3, 1.4, 1.5], ceiling=1.6, runs_of="uniform"),
         _row("parameters", 0.4, [1.2, 1.25, 1.3], ceiling=1.5),
         _row("uniform", None, phase="ramp"),
         _row("megatron", None, phase="ramp", runs_of="uniform"),

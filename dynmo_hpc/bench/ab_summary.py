@@ -6,11 +6,10 @@ spread (their quartiles), the pipeline-aware ceiling over the same phase with th
 overheads (median over the repeats), and the capture ``(gain - 1) / (ceiling - 1)``.
 
 The headline puts each balancer against the **best static baseline** of its scheme and phase
-(:func:`best_baseline`): of the static splits it was run against, the one whose arm A ran the
-most tokens/s in those runs. Its gain, spread, ceiling and capture are that pair's row's, so
-the figure is still one A/B comparison over the same minutes; only the choice of the baseline
-compares runs made at different times. On a drifting machine that choice can go to a split
-whose runs only met faster minutes; the detailed table keeps the gain over every baseline.
+(:func:`best_baseline`): of the static splits it was run against, the one it gains least over,
+each gain measured within its own A/B runs. Its gain, spread, ceiling and capture are that
+pair's row's, so both the figure and the choice are A/B comparisons over the same minutes; the
+detailed table keeps the gain over every baseline.
 
 Pure: figures in, rows and Markdown out.
 """
@@ -170,13 +169,15 @@ class BestBaseline:
 
 def best_baseline(rows: Sequence[ABRow]) -> BestBaseline | None:
     """The best static baseline among ``rows`` (one scheme, phase and balancer; one row per
-    static baseline): the row whose arm A ran the most tokens/s (``tokens_per_step`` over its
-    median kept static step). A row without a comparison in the phase takes no part; None when
-    no row has one. A tie (exactly the same tokens/s) goes to the row with the lowest gain, so
-    a tie never flatters the balancer, then to the first row; the others are
-    :attr:`BestBaseline.tied`.
+    static baseline): the one the balancer gains least over, each gain measured within its own
+    A/B runs. Why not the baseline whose own arm ran the most tokens/s: those figures come from
+    different runs, minutes apart, and on a drifting machine the fastest-looking baseline may
+    only have met faster minutes; a gain is a ratio within one run. A row without a comparison
+    in the phase takes no part; None when no row has one. Rows with the same gain and the same
+    tokens/s (a split shared by two names) are :attr:`BestBaseline.tied`; otherwise the first
+    row with the lowest gain wins.
 
-    Example: arm A at 2000, 2000 (the same split) and 4000 tokens/s: the third is the best.
+    Example: gains 1.4, 1.25 and 2.0 over three splits: the second is the best.
     """
     keys = {(r.scheme, r.phase, r.steps, r.balancer) for r in rows}
     if len(keys) > 1:
@@ -184,19 +185,22 @@ def best_baseline(rows: Sequence[ABRow]) -> BestBaseline | None:
     speeds = {r.static: r.static_tokens_per_s for r in rows}
     if len(speeds) < len(rows):
         raise ValueError("best_baseline takes one row per static baseline, got a name twice")
-    measured = [r for r in rows if r.comparison is not None]
+    measured = [(r, r.comparison.gain) for r in rows if r.comparison is not None]
     if not measured:
         return None
-    top = max(float(speeds[r.static] or 0.0) for r in measured)
-    tied = [r for r in measured if speeds[r.static] == top]
-    best = min(tied, key=lambda r: r.comparison.gain if r.comparison else 0.0)
+    best, lowest = min(measured, key=lambda pair: pair[1])
+    tied = [
+        r
+        for r, gain in measured
+        if r is not best and gain == lowest and speeds[r.static] == speeds[best.static]
+    ]
     return BestBaseline(
         scheme=best.scheme,
         phase=best.phase,
         steps=best.steps,
         balancer=best.balancer,
         static=best.static,
-        tied=tuple(r.static for r in tied if r is not best),
+        tied=tuple(r.static for r in tied),
         row=best,
         static_tokens_per_s=speeds,
     )
@@ -296,11 +300,11 @@ def render_ab_headline(rows: Sequence[ABRow]) -> list[str]:
     columns = [*HEADLINE_COLUMNS, *(f"{s} tokens/s" for s in statics)]
     lines = [
         "Headline: each balancer against the best static baseline of each scheme and phase: "
-        "of the static splits it ran against, the one whose arm A ran the most tokens/s in "
-        "those A/B runs (each static split's tokens/s is from its own runs against that "
-        "balancer). Gain = the balancer over that baseline in the same runs (median over block "
+        "of the static splits it ran against, the one it gains least over (each gain within "
+        "its own A/B runs; each static split's tokens/s is from its own runs). Gain = the "
+        "balancer over that baseline in the same runs (median over block "
         "pairs, IQR), with the ceiling over that baseline's split and the capture of it. "
-        "`a = b`: the same tokens/s (the same split, run once and reported under both names). "
+        "`a = b`: the same split, run once and reported under both names. "
         "The gains over every static baseline are in the table after this one.",
         "",
         "| " + " | ".join(columns) + " |",
