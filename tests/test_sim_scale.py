@@ -304,7 +304,7 @@ def test_generated_sections_are_replaced_between_markers() -> None:
 def test_the_repository_has_the_markers_and_the_paper_file() -> None:
     import yaml
 
-    assert sim_scale.BEGIN in (ROOT / "docs" / "simulate.md").read_text()
+    assert sim_scale.BEGIN in sim_scale.TABLE_FILE.read_text()
     summary = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
     assert sum(line.startswith(sim_scale.SUMMARY_ROW) for line in summary) == 1
     paper = yaml.safe_load(sim_scale.PAPER.read_text())
