@@ -242,10 +242,11 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             continue
         best = cells[3].split(" = ")
         assert set(best) in ({"uniform", "megatron"}, {"parameters"})
-        # the best baseline's tokens/s is the highest of the three, megatron's is uniform's
+        # the best baseline's tokens/s is its own column's (chosen by the lowest gain within
+        # its own runs, not by the highest tokens/s); megatron's is uniform's
         names = ("uniform", "megatron", "parameters")
         speeds = {n: float(v) for n, v in zip(names, cells[-3:], strict=True) if v != "-"}
-        assert float(cells[4]) == max(speeds.values()) == speeds[best[0]]
+        assert float(cells[4]) == speeds[best[0]]
         assert speeds["megatron"] == speeds["uniform"]
         assert cells[6].endswith(")") and "x (" in cells[6]
     rows = [line for line in detail.splitlines() if line.startswith("| plain |")]
@@ -600,9 +601,8 @@ def test_bench_profiles_each_job_once_for_the_profiled_baseline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``profiled``: one short static run per job measures the layers' costs, and the static
-    split is the best one for them; on the tiny model whose last block is 128x wider than the
-    others, that split leaves the wide block and the head alone on the last stage, unlike
-    uniform's."""
+    split is the best one for them (on this tiny model the measured costs decide whether that is
+    uniform's split or moves the wide last block; either way the bench reports it as such)."""
     from dynmo_hpc.cli import main
     from tests.helpers.jobs import ROOT, TINY
 
@@ -619,25 +619,40 @@ def test_bench_profiles_each_job_once_for_the_profiled_baseline(
     assert len(profile.steps) == 4
     assert sorted(profile.layer_costs["step"].unique()) == [1, 3]  # two reports
     assert profile.events[profile.events["kind"] == "migrate"].empty  # static: it only measures
+    # The profiled split is the best one for the profiling run's last report, whatever this
+    # machine measured there.
+    from dynmo_hpc.balance import partition
+
+    costs = profile.layer_costs[profile.layer_costs["step"] == 3].sort_values("layer")
+    costs_s = (costs["forward_s"] + costs["backward_s"]).tolist()
+    want = partition(costs_s, 2, "optimal", current=[0, 3, 6])
     text = (out / "results.md").read_text()
-    assert "profiled [0, 4, 6]" in text and "uniform [0, 3, 6]" in text, text
-    ab = load(out / "runs" / "bench_ab_plain_optimal_vs_profiled_r0" / "run.h5")
-    assert ab.config["pipeline"]["partition"] == [0, 4, 6]  # arm A: the profiled split
+    if want == [0, 3, 6]:
+        assert "profiled = uniform (the same split" in text, text
+    else:
+        assert f"profiled {want}" in text and "uniform [0, 3, 6]" in text, text
+        ab = load(out / "runs" / "bench_ab_plain_optimal_vs_profiled_r0" / "run.h5")
+        assert ab.config["pipeline"]["partition"] == want  # arm A: the profiled split
 
 
 @pytest.mark.mpi
 def test_a_static_baseline_places_the_layers_once_in_training(tmp_path: Path) -> None:
     """``balance.algorithm=profiled`` in a job: the first load report places the layers by the
-    costs measured so far, and no later report moves them, whatever the costs do."""
+    costs measured so far (when the move pays), and no later report moves them."""
     cfg = tiny_config(
         tmp_path, *IMBALANCED, "balance.algorithm=profiled", "balance.margin=0", "job.name=p"
     )
     run_job(cfg)
     run = load(cfg.run_dir / "run.h5")
+    # The first report decides (a move that does not pay on the costs measured so far, on a
+    # loaded machine, is not made); no later report moves anything.
     plans = run.events[run.events["kind"] == "rebalance"]
-    assert plans["step"].tolist() == [1]
-    assert plans["detail"].iloc[0]["new_parts"] == [0, 4, 6]
-    assert run.parts_at(7) == [0, 4, 6]
+    assert plans["step"].tolist() in ([], [1])
+    migrations = run.events[run.events["kind"] == "migrate"]
+    assert all(step <= 1 for step in migrations["step"])
+    if len(plans):
+        assert plans["detail"].iloc[0]["new_parts"] == [0, 4, 6]
+        assert run.parts_at(7) == [0, 4, 6]
 
 
 @pytest.mark.mpi
