@@ -17,7 +17,7 @@ import pytest
 
 from dynmo_hpc.cli import main
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ROOT, prepare_small_corpus
 
 TINY_LLAMA = [
     "model.num_blocks=4",
@@ -40,13 +40,7 @@ TINY_LLAMA = [
 def test_prepared_text_trains_a_llama_in_bf16_with_validation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = tmp_path / "corpus.txt"
-    from pydoc_data.topics import topics
-
-    text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:120]), encoding="utf-8")
-    data = tmp_path / "prepared"
-    argv = ["prepare-data", str(text), "--out", str(data), "--train-tokenizer"]
-    assert main([*argv, "--vocab-size", "512"]) == 0
+    data = prepare_small_corpus(tmp_path)
     meta = json.loads((data / "meta.json").read_text())
     assert meta["vocab_size"] <= 512 and meta["num_tokens"]["val"] > 0
 

@@ -21,7 +21,7 @@ from dynmo_hpc.cli import main
 from dynmo_hpc.cli.bench import scheme_jobs
 from dynmo_hpc.config.scheme_sections import every_other_block
 from dynmo_hpc.runlog import load
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ROOT, prepare_small_corpus
 from tests.helpers.scheme_jobs import scheme_acted, scheme_events
 
 NATURAL = ROOT / "jobs" / "natural"
@@ -108,14 +108,7 @@ SOON = {
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small corpus tokenized with a 512-token BPE trained on it (the jobs ask for 8192)."""
-    from pydoc_data.topics import topics
-
-    root = tmp_path_factory.mktemp("natural")
-    text = root / "corpus.txt"
-    text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:120]), encoding="utf-8")
-    argv = ["prepare-data", str(text), "--out", str(root / "prepared"), "--train-tokenizer"]
-    assert main([*argv, "--vocab-size", "512"]) == 0
-    return root / "prepared"
+    return prepare_small_corpus(tmp_path_factory.mktemp("natural"))
 
 
 @pytest.mark.mpi

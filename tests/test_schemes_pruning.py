@@ -119,16 +119,18 @@ def test_optimizer_keeps_the_surviving_rows_state(tmp_path):
     assert not torch.equal(before, block.mlp.c_fc.weight)
 
 
+SHORT_SCHEDULE = [
+    "schemes.pruning.end_step=4",
+    "schemes.pruning.interval_steps=2",
+    "schemes.pruning.final_sparsity=0.6",
+    "train.steps=5",
+    "pipeline.num_stages=1",
+]
+"""Pruning events after steps 0, 2 and 4 to 60 %, on one stage."""
+
+
 def test_sparsity_follows_the_schedule_and_differs_by_layer(tmp_path):
-    cfg = scheme_config(
-        tmp_path,
-        "pruning",
-        "schemes.pruning.end_step=4",
-        "schemes.pruning.interval_steps=2",
-        "schemes.pruning.final_sparsity=0.6",
-        "train.steps=5",
-        "pipeline.num_stages=1",
-    )
+    cfg = scheme_config(tmp_path, "pruning", *SHORT_SCHEDULE)
     section = cfg.schemes.pruning
     initial = initial_counts(cfg)
     assert initial == {NEURON: 4 * 64, HEAD: 4 * 2}
@@ -152,16 +154,7 @@ def test_sparsity_follows_the_schedule_and_differs_by_layer(tmp_path):
 
 def test_layer_scope_prunes_every_block_to_the_target_by_its_own_ranking(tmp_path):
     """``scope: layer``: each block reaches the sparsity alone, whatever the other blocks hold."""
-    cfg = scheme_config(
-        tmp_path,
-        "pruning",
-        "schemes.pruning.scope=layer",
-        "schemes.pruning.end_step=4",
-        "schemes.pruning.interval_steps=2",
-        "schemes.pruning.final_sparsity=0.6",
-        "train.steps=5",
-        "pipeline.num_stages=1",
-    )
+    cfg = scheme_config(tmp_path, "pruning", "schemes.pruning.scope=layer", *SHORT_SCHEDULE)
     run = train_one_rank(cfg)
     per_layer_width = math.floor(0.6 * 64 + 1e-9)
     widths = [run.slots[i].module.mlp.c_fc.out_features for i in range(1, 5)]
@@ -169,15 +162,7 @@ def test_layer_scope_prunes_every_block_to_the_target_by_its_own_ranking(tmp_pat
     final = [e for e in run.events if e["kind"] == "prune"][-1]
     assert final["sparsity"][NEURON] == pytest.approx(per_layer_width / 64)
     # Against the global ranking of the same weights: the blocks end at different widths there.
-    glob = scheme_config(
-        tmp_path / "g",
-        "pruning",
-        "schemes.pruning.end_step=4",
-        "schemes.pruning.interval_steps=2",
-        "schemes.pruning.final_sparsity=0.6",
-        "train.steps=5",
-        "pipeline.num_stages=1",
-    )
+    glob = scheme_config(tmp_path / "g", "pruning", *SHORT_SCHEDULE)
     glob_slots = train_one_rank(glob).slots
     glob_widths = [glob_slots[i].module.mlp.c_fc.out_features for i in range(1, 5)]
     assert len(set(glob_widths)) > 1, glob_widths

@@ -57,3 +57,19 @@ def assert_losses_close(got: list[float], want: list[float], rel: float) -> None
     assert len(got) == len(want), (len(got), len(want))
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w) <= rel * abs(w), f"step {step}: pipeline {g!r} vs reference {w!r}"
+
+
+def prepare_small_corpus(root: Path, vocab_size: int = 512) -> Path:
+    """``dynmo-hpc prepare-data`` on 120 of CPython's pydoc topics (about 0.5 MB) with a
+    byte-level BPE of ``vocab_size`` trained on them; returns the prepared directory."""
+    from pydoc_data.topics import topics
+
+    from dynmo_hpc.cli import main
+
+    text = root / "corpus.txt"
+    text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:120]), encoding="utf-8")
+    out = root / "prepared"
+    argv = ["prepare-data", str(text), "--out", str(out), "--train-tokenizer"]
+    if main([*argv, "--vocab-size", str(vocab_size)]) != 0:
+        raise RuntimeError(f"prepare-data failed on {text}")
+    return out
