@@ -15,7 +15,11 @@ run (``balance.ab_period_steps``), per arm (A: the static split, B: the balancer
 - ``layer cost B/A``: each layer's mean seconds in B reports over A reports (1.0: a layer costs
   the same wherever it runs);
 - the ceiling on layer compute only and with the measured overheads, on all reports and on each
-  arm's reports alone.
+  arm's reports alone;
+- ``where the gap went``: the gain split exactly into four factors, on each arm's mean layer
+  costs (compute only): the ceiling on A's costs, divided by what B's plan loses against the
+  best partition at A's costs, by B's layers costing more than A's (two stages computing at
+  once on a shared machine), and by B's measured/model over A's (what the model leaves out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ab_breakdown.py \
         runs/bench_ab/runs/bench_ab_pruning_optimal_vs_uniform_r0
@@ -37,7 +41,7 @@ from dynmo_hpc.bench.ab import (
     report_overheads,
     run_ceilings,
 )
-from dynmo_hpc.bench.ceiling import partition_step_s
+from dynmo_hpc.bench.ceiling import partition_step_s, report_ceiling
 from dynmo_hpc.runlog import load
 
 
@@ -64,6 +68,8 @@ def _reports(
                 "arm": int(kept["ab_arm"].iloc[0]),
                 "parts": parts[step],
                 "costs": fwd + bwd,
+                "fwd": fwd,
+                "bwd": bwd,
                 "measured_s": float(kept["step_time_s"].median()),
                 "model_s": partition_step_s(
                     fwd, bwd, parts[step], num_microbatches, schedule, overheads
@@ -104,6 +110,41 @@ def _arm_lines(reports: list[dict[str, Any]], arm: int) -> list[str]:
         f"{fmt(f'{x:.3f}' for x in compute)} s, idle {fmt(f'{x:.3f}' for x in idle)} s; "
         f"tail {tail:.3f} s",
     ]
+
+
+def gap_line(
+    reports: list[dict[str, Any]], static: list[int], num_microbatches: int, schedule: str
+) -> str:
+    """The gain as ceiling / (plan x layer costs x unmodelled), each arm at its mean costs.
+
+    The four factors multiply back to the measured gain exactly (A measured / B measured): the
+    ceiling is static over best on A's mean costs; ``plan`` is B's most frequent partition over
+    the best, both on A's costs; ``layer costs`` is B's partition on B's mean costs over it on
+    A's; ``unmodelled`` is B's measured/model over A's.
+    """
+    arms = [[r for r in reports if r["arm"] == arm] for arm in (0, 1)]
+    if not all(arms):
+        return "where the gap went: needs reports of both arms"
+    mean = [
+        (np.mean([r["fwd"] for r in chosen], axis=0), np.mean([r["bwd"] for r in chosen], axis=0))
+        for chosen in arms
+    ]
+    measured = [float(np.median([r["measured_s"] for r in chosen])) for chosen in arms]
+    plans = [tuple(r["parts"]) for r in arms[1]]
+    plan = list(max(set(plans), key=plans.count))
+    best = report_ceiling(*mean[0], static, num_microbatches, schedule)
+
+    def model(parts: list[int], arm: int) -> float:
+        return partition_step_s(*mean[arm], parts, num_microbatches, schedule)
+
+    plan_loss = model(plan, 0) / best.best_step_s
+    cost_rise = model(plan, 1) / model(plan, 0)
+    unmodelled = (measured[1] / model(plan, 1)) / (measured[0] / model(static, 0))
+    return (
+        f"where the gap went: gain {measured[0] / measured[1]:.3f} = ceiling on A's costs "
+        f"{best.ratio:.3f} (best {best.best_parts}) / plan {plan_loss:.3f} (B's {plan}) / "
+        f"B's layer costs over A's {cost_rise:.3f} / unmodelled {unmodelled:.3f}"
+    )
 
 
 def breakdown(run_dir: Path) -> list[str]:
@@ -153,6 +194,7 @@ def breakdown(run_dir: Path) -> list[str]:
             f"ceiling, {name}: {total if total is None else round(total, 3)} "
             f"(on A reports {by_arm[0]}, on B reports {by_arm[1]})"
         )
+    lines.append(gap_line(reports, static, num_microbatches, schedule))
     return lines
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -314,6 +315,46 @@ def test_bench_ab_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert lines[0].endswith("steady state from step 12, A/B period 4 steps")
     assert any(line.startswith("arm A (") and "measured/model" in line for line in lines)
     assert any(line.startswith("ceiling, with measured overheads: ") for line in lines)
+    gap = next(line for line in lines if line.startswith("where the gap went: "))
+    numbers = [float(w) for w in gap.replace("(", " ").split() if w[:1].isdigit() and "." in w]
+    gain, ceiling, plan, costs, unmodelled = numbers
+    assert gain == pytest.approx(ceiling / (plan * costs * unmodelled), rel=5e-3)
+
+
+def _breakdown_script() -> Any:
+    import importlib.util
+
+    from tests.helpers.jobs import ROOT
+
+    path = ROOT / "benchmarks" / "ab_breakdown.py"
+    spec = importlib.util.spec_from_file_location("ab_breakdown", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gap_factors_name_a_dearer_balanced_arm_and_multiply_back_to_the_gain() -> None:
+    """4 layers costing 1, 1, 1, 3 s on the static arm ``[0, 2, 4]``; the balancer runs the
+    best split ``[0, 3, 4]`` where every layer costs 10 % more (both stages busy at once) and
+    the step 10 % over its model, against the static arm's 5 %: no plan loss, layer costs 1.10,
+    unmodelled 1.10 / 1.05, and the factors give back the measured gain."""
+    from dynmo_hpc.bench.ceiling import partition_step_s
+
+    script = _breakdown_script()
+    fwd, bwd = np.array([0.5, 0.5, 0.5, 1.5]), np.array([0.5, 0.5, 0.5, 1.5])
+    a_s = 1.05 * partition_step_s(fwd, bwd, [0, 2, 4], 8)
+    b_s = 1.10 * partition_step_s(1.1 * fwd, 1.1 * bwd, [0, 3, 4], 8)
+    reports = [
+        {"arm": 0, "parts": [0, 2, 4], "fwd": fwd, "bwd": bwd, "measured_s": a_s},
+        {"arm": 1, "parts": [0, 3, 4], "fwd": 1.1 * fwd, "bwd": 1.1 * bwd, "measured_s": b_s},
+    ]
+    line = script.gap_line(reports, [0, 2, 4], 8, "1f1b")
+    assert "plan 1.000 (B's [0, 3, 4])" in line and "best [0, 3, 4]" in line
+    assert "B's layer costs over A's 1.100" in line
+    assert f"unmodelled {1.10 / 1.05:.3f}" in line
+    assert f"gain {a_s / b_s:.3f}" in line
+    assert "needs reports of both arms" in script.gap_line(reports[:1], [0, 2, 4], 8, "1f1b")
 
 
 def test_bench_ab_refuses_algorithms_without_a_static_split(
