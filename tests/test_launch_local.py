@@ -60,7 +60,7 @@ def test_an_mpich_launch_exports_nothing_of_open_mpis(monkeypatch) -> None:
     monkeypatch.setattr(local, "mpiexec_version", lambda path: "HYDRA build details:")
     monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT", raising=False)
     launcher = local.LocalMpiLauncher(mpiexec=sys.executable)
-    env = launcher.environment(LaunchSpec(2, []))
+    env = launcher.environment(LaunchSpec(2, []), session_dir="/tmp/x")
     added = {k for k in env if k.startswith(("OMPI_", "PRTE_"))} - set(os.environ)
     assert not added, added
     assert launcher.command(LaunchSpec(4, ["python"]))[:3] == [sys.executable, "-n", "4"]
@@ -74,3 +74,28 @@ def test_an_mpiexec_of_the_other_implementation_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(local, "mpiexec_version", lambda path: "HYDRA build details:")
     with pytest.raises(LaunchError, match=r"is mpich's mpiexec, but mpi4py .* loads openmpi.*HINT"):
         local.LocalMpiLauncher(mpiexec=sys.executable)
+
+
+@pytest.mark.mpi
+def test_each_launch_keeps_mpiexecs_session_in_a_fresh_folder_it_removes() -> None:
+    """Open MPI names its session directory after mpiexec's pid and a killed mpiexec leaves it
+    behind; a later mpiexec with the same pid then exits 213 before any rank starts. Each
+    launch therefore gets a fresh, empty parent for it (inside the user's
+    ``PRTE_MCA_prte_tmpdir_base`` when set), removed when the step ends, even when it fails."""
+    from dynmo_hpc.launch.mpi_impl import SESSION_DIR_ENV
+
+    launcher = LocalMpiLauncher()
+    probe = "import os, sys; print('session', os.environ['PMIX_SERVER_TMPDIR'], file=sys.stderr)"
+    seen = []
+    for code in (0, 3):
+        spec = LaunchSpec(1, [sys.executable, "-c", f"{probe}; sys.exit({code})"])
+        result = launcher.run(spec, timeout_s=120)
+        assert result.exit_code == code, result
+        line = next(w for w in result.output_tail.splitlines() if w.startswith("session "))
+        session = line.split(" ", 1)[1]
+        parent = os.path.dirname(session)
+        assert os.path.basename(parent).startswith("dynmo-mpi-"), session
+        assert os.path.dirname(parent) == os.environ[SESSION_DIR_ENV]  # tests/conftest.py's
+        assert not os.path.exists(parent), f"{parent} left behind"
+        seen.append(parent)
+    assert seen[0] != seen[1], "two launches shared a session parent"

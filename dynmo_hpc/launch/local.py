@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +31,13 @@ from dynmo_hpc.errors import LaunchError
 from dynmo_hpc.handoff.env import ATTEMPT_ENV, LAUNCH_TIME_ENV
 from dynmo_hpc.launch import preflight
 from dynmo_hpc.launch.mpi_impl import (
+    SESSION_DIR_ENV,
     MpiImplementation,
     bind_flags,
     detect,
     local_launch_env,
     mpiexec_implementation,
+    session_dir_env,
 )
 from dynmo_hpc.launch.rundir import claim_run_dir, lock_run_dir
 from dynmo_hpc.launch.step_process import StepProcess
@@ -139,11 +142,14 @@ class LocalMpiLauncher:
         binding = bind_flags(self.implementation, spec.num_ranks, usable_cores())
         return [self.mpiexec, *binding, "-n", str(spec.num_ranks), *spec.rank_argv]
 
-    def environment(self, spec: LaunchSpec) -> dict[str, str]:
+    def environment(self, spec: LaunchSpec, session_dir: str | None = None) -> dict[str, str]:
         """This process's environment, the implementation's launch switches (Open MPI's
-        root and oversubscription variables; none for MPICH), then the spec's."""
+        root and oversubscription variables; none for MPICH), ``session_dir`` as the parent of
+        ``mpiexec``'s session directory, then the spec's."""
         env = dict(os.environ)
         env.update(local_launch_env(self.implementation))
+        if session_dir is not None:
+            env.update(session_dir_env(self.implementation, session_dir))
         env.update(spec.env)
         return env
 
@@ -157,7 +163,17 @@ class LocalMpiLauncher:
         """
         cmd = self.command(spec)
         log.info("launching: %s", " ".join(cmd))
-        step = StepProcess(cmd, self.environment(spec), spec.cwd)
+        # A fresh parent for mpiexec's session directory, removed however the step ends
+        # (session_dir_env says why); inside the user's own choice of parent if they set one.
+        session_dir = tempfile.mkdtemp(prefix="dynmo-mpi-", dir=os.environ.get(SESSION_DIR_ENV))
+        try:
+            step = StepProcess(cmd, self.environment(spec, session_dir), spec.cwd)
+            return self._supervise(step, timeout_s, grace_s)
+        finally:
+            shutil.rmtree(session_dir, ignore_errors=True)
+
+    def _supervise(self, step: StepProcess, timeout_s: float, grace_s: float) -> StepResult:
+        """Wait for ``step``, turning signals into a clean stop (see :meth:`run`)."""
         interrupts: list[int] = []
         grace_deadline = math.inf
 

@@ -129,6 +129,27 @@ def local_launch_env(implementation: MpiImplementation) -> dict[str, str]:
     return {}
 
 
+SESSION_DIR_ENV = "PRTE_MCA_prte_tmpdir_base"
+"""Open MPI's (PRRTE's) parent directory for ``mpiexec``'s session directory."""
+
+
+def session_dir_env(implementation: MpiImplementation, base_dir: str) -> dict[str, str]:
+    """Put ``mpiexec``'s session directory under ``base_dir`` (Open MPI; nothing for Hydra).
+
+    Why: Open MPI 5 names its session directory after ``mpiexec``'s pid (``$TMPDIR/ompi.<pid>``)
+    and a killed ``mpiexec`` (a fault, a timeout, SIGKILL) leaves it behind. When the pid comes
+    round again, as it does within minutes on a busy node (``pid_max`` is often 32768), the new
+    ``mpiexec`` finds the stale rendezvous files, stops with "The PMIx server's listener thread
+    failed to start" and exit code 213, and no rank starts. A fresh, empty ``base_dir`` for
+    each launch (:class:`dynmo_hpc.launch.local.LocalMpiLauncher`) cannot hold a stale one.
+
+    Example:
+        >>> session_dir_env("openmpi", "/tmp/x"), session_dir_env("mpich", "/tmp/x")
+        ({'PRTE_MCA_prte_tmpdir_base': '/tmp/x'}, {})
+    """
+    return {SESSION_DIR_ENV: base_dir} if implementation == "openmpi" else {}
+
+
 def bind_flags(implementation: MpiImplementation, num_ranks: int, cores: int) -> list[str]:
     """Bind each rank to a core when the job fills this machine's cores exactly, else nothing.
 
