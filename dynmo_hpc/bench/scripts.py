@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -51,9 +52,16 @@ def run_rank_program(
     deadlocking it. The ranks' own log is quiet (``DYNMO_LOG_LEVEL=WARNING``): the script
     prints its table. ``env`` adds to (or overrides) that environment.
     """
-    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, openmpi_env
+    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher
+    from dynmo_hpc.launch.mpi_impl import SESSION_DIR_ENV
 
     rank_argv = [sys.executable, "-m", "mpi4py", script, "--rank", *argv]
-    cmd = LocalMpiLauncher().command(LaunchSpec(num_ranks, rank_argv))
-    full_env = {**os.environ, **openmpi_env(), "DYNMO_LOG_LEVEL": "WARNING", **(env or {})}
-    return subprocess.run(cmd, env=full_env, check=False).returncode
+    spec = LaunchSpec(num_ranks, rank_argv, env={"DYNMO_LOG_LEVEL": "WARNING", **(env or {})})
+    launcher = LocalMpiLauncher()
+    # mpiexec's session directory in a fresh folder, as the launcher's own runs do
+    # (dynmo_hpc.launch.mpi_impl.session_dir_env says why).
+    with tempfile.TemporaryDirectory(
+        prefix="dynmo-mpi-", dir=os.environ.get(SESSION_DIR_ENV), ignore_cleanup_errors=True
+    ) as session_dir:
+        env_all = launcher.environment(spec, session_dir)
+        return subprocess.run(launcher.command(spec), env=env_all, check=False).returncode
