@@ -8,13 +8,14 @@ import tempfile
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 
+from dynmo_hpc.launch.mpi_impl import SESSION_DIR_ENV
 from tests.helpers.slurm_cluster import slurm_cluster  # noqa: F401  (session fixture for the SLURM tests)
 
 # The tests' own mpiexec calls keep their session directories in one folder of this test run,
 # away from stale ones that killed mpiexecs left in /tmp (dynmo_hpc.launch.mpi_impl.
 # session_dir_env); the launcher makes a fresh one per launch inside it.
 _MPI_SESSIONS = tempfile.mkdtemp(prefix="dynmo-tests-mpi-")
-os.environ.setdefault("PRTE_MCA_prte_tmpdir_base", _MPI_SESSIONS)
+os.environ.setdefault(SESSION_DIR_ENV, _MPI_SESSIONS)
 atexit.register(shutil.rmtree, _MPI_SESSIONS, True)
 
 

@@ -15,10 +15,8 @@ own rank program on local MPI ranks with the same few lines; here they are once.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -52,16 +50,11 @@ def run_rank_program(
     deadlocking it. The ranks' own log is quiet (``DYNMO_LOG_LEVEL=WARNING``): the script
     prints its table. ``env`` adds to (or overrides) that environment.
     """
-    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher
-    from dynmo_hpc.launch.mpi_impl import SESSION_DIR_ENV
+    from dynmo_hpc.launch.local import LaunchSpec, LocalMpiLauncher, fresh_session_dir
 
     rank_argv = [sys.executable, "-m", "mpi4py", script, "--rank", *argv]
     spec = LaunchSpec(num_ranks, rank_argv, env={"DYNMO_LOG_LEVEL": "WARNING", **(env or {})})
     launcher = LocalMpiLauncher()
-    # mpiexec's session directory in a fresh folder, as the launcher's own runs do
-    # (dynmo_hpc.launch.mpi_impl.session_dir_env says why).
-    with tempfile.TemporaryDirectory(
-        prefix="dynmo-mpi-", dir=os.environ.get(SESSION_DIR_ENV), ignore_cleanup_errors=True
-    ) as session_dir:
+    with fresh_session_dir() as session_dir:  # as the launcher's own runs
         env_all = launcher.environment(spec, session_dir)
         return subprocess.run(launcher.command(spec), env=env_all, check=False).returncode

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -106,6 +107,17 @@ def mpiexec_version(mpiexec: str) -> str:
     return out.stdout + out.stderr
 
 
+@contextlib.contextmanager
+def fresh_session_dir() -> Iterator[str]:
+    """A new, empty parent for one ``mpiexec``'s session directory, removed on leaving
+    however the launch ended (:func:`~dynmo_hpc.launch.mpi_impl.session_dir_env` says why);
+    inside the user's own ``PRTE_MCA_prte_tmpdir_base`` when they set one."""
+    with tempfile.TemporaryDirectory(
+        prefix="dynmo-mpi-", dir=os.environ.get(SESSION_DIR_ENV), ignore_cleanup_errors=True
+    ) as session_dir:
+        yield session_dir
+
+
 def openmpi_env() -> dict[str, str]:
     """Let Open MPI run as root and with more ranks than cores (containers, CI, laptops)."""
     return local_launch_env("openmpi")
@@ -163,14 +175,9 @@ class LocalMpiLauncher:
         """
         cmd = self.command(spec)
         log.info("launching: %s", " ".join(cmd))
-        # A fresh parent for mpiexec's session directory, removed however the step ends
-        # (session_dir_env says why); inside the user's own choice of parent if they set one.
-        session_dir = tempfile.mkdtemp(prefix="dynmo-mpi-", dir=os.environ.get(SESSION_DIR_ENV))
-        try:
+        with fresh_session_dir() as session_dir:
             step = StepProcess(cmd, self.environment(spec, session_dir), spec.cwd)
             return self._supervise(step, timeout_s, grace_s)
-        finally:
-            shutil.rmtree(session_dir, ignore_errors=True)
 
     def _supervise(self, step: StepProcess, timeout_s: float, grace_s: float) -> StepResult:
         """Wait for ``step``, turning signals into a clean stop (see :meth:`run`)."""
